@@ -1,0 +1,187 @@
+"""TensorSpec and BatchConfig: how a sample's tensors are laid out in bytes.
+
+The pipeline moves bytes; a :class:`BatchConfig` is the application's statement of
+what those bytes are. Tensors are packed back to back in spec order, with no
+padding, so that ``nbytes()`` is the plain sum of the tensors' sizes (the seed
+README's contract: ``(512, 768) bfloat16 + (512,) int64 -> 790528``).
+
+``decode`` returns views into the buffer it is given (no copy); ``encode`` makes
+``bytes``; ``write`` copies tensors straight into a writable buffer (the zero-copy
+path workers use to fill shared-memory slots).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a sample: its shape and dtype name (see ``DTYPES``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"TensorSpec {self.name!r}: unsupported dtype {self.dtype!r}; "
+                f"use one of {sorted(DTYPES)}"
+            )
+        shape = tuple(int(d) for d in self.shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"TensorSpec {self.name!r}: negative dimension in shape {shape}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+
+class BatchConfig:
+    """An ordered list of :class:`TensorSpec`: encode, decode and write samples."""
+
+    def __init__(self, specs: Iterable[TensorSpec | Mapping[str, Any]]) -> None:
+        self.specs: list[TensorSpec] = [_as_spec(s) for s in specs]
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"BatchConfig: duplicate tensor names in {names}")
+        self._offsets: dict[str, int] = {}
+        offset = 0
+        for spec in self.specs:
+            self._offsets[spec.name] = offset
+            offset += spec.nbytes
+        self._nbytes = offset
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BatchConfig:
+        """From ``{"specs": [{"name", "shape", "dtype"}, ...]}``."""
+        if "specs" not in data:
+            raise ValueError("BatchConfig.from_dict: missing key 'specs'")
+        return cls(data["specs"])
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> BatchConfig:
+        """From a YAML file holding ``specs:`` at the top or under ``batch_config:``."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text())
+        if isinstance(data, dict) and "batch_config" in data:
+            data = data["batch_config"]
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping with a 'specs' list")
+        return cls.from_dict(data)
+
+    # ---------------------------------------------------------------- properties
+    def nbytes(self) -> int:
+        """Bytes of one encoded sample."""
+        return self._nbytes
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def get_spec(self, name: str) -> TensorSpec:
+        for spec in self.specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no tensor named {name!r}; have {self.tensor_names}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"specs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
+                          for s in self.specs]}
+
+    # ---------------------------------------------------------------- codec
+    def encode(self, **tensors: torch.Tensor) -> bytes:
+        """Pack the named tensors into new ``bytes`` (one copy)."""
+        out = bytearray(self._nbytes)
+        self.write(out, **tensors)
+        return bytes(out)
+
+    def write(self, buf: Buffer, **tensors: torch.Tensor) -> None:
+        """Copy the named tensors straight into ``buf`` (at least ``nbytes()`` long)."""
+        views = self.decode(buf)
+        missing = set(views) - set(tensors)
+        extra = set(tensors) - set(views)
+        if missing or extra:
+            raise ValueError(f"BatchConfig.write: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for name, view in views.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(view.shape):
+                raise ValueError(f"tensor {name!r}: shape {tuple(src.shape)} != spec {tuple(view.shape)}")
+            view.copy_(src)
+
+    def decode(self, data: Buffer) -> dict[str, torch.Tensor]:
+        """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""
+        return {spec.name: self._view(data, spec) for spec in self.specs}
+
+    def decode_single(self, data: Buffer, name: str) -> torch.Tensor:
+        """A view of one tensor in ``data``."""
+        return self._view(data, self.get_spec(name))
+
+    def _view(self, data: Buffer, spec: TensorSpec) -> torch.Tensor:
+        if len(data) < self._nbytes:
+            raise ValueError(f"buffer of {len(data)} bytes is shorter than the sample ({self._nbytes})")
+        if spec.nbytes == 0:
+            return torch.empty(spec.shape, dtype=spec.torch_dtype)
+        offset = self._offsets[spec.name]
+        flat = torch.frombuffer(_writable(data), dtype=torch.uint8, count=spec.nbytes, offset=offset)
+        return flat.view(spec.torch_dtype).view(spec.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchConfig) and self.specs == other.specs
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.specs))
+
+    def __repr__(self) -> str:
+        return f"BatchConfig({self.specs!r})"
+
+
+def _as_spec(spec: TensorSpec | Mapping[str, Any]) -> TensorSpec:
+    if isinstance(spec, TensorSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        try:
+            return TensorSpec(str(spec["name"]), tuple(spec["shape"]), str(spec["dtype"]))
+        except KeyError as exc:
+            raise ValueError(f"tensor spec {dict(spec)} is missing key {exc}") from None
+    raise ValueError(f"expected a TensorSpec or a mapping, got {type(spec).__name__}")
+
+
+def _writable(data: Buffer) -> Buffer:
+    """torch.frombuffer warns on read-only buffers; copy-free for writable ones."""
+    if isinstance(data, bytes):
+        return bytearray(data)  # bytes are immutable: decoding them costs one copy
+    return data

@@ -1,0 +1,479 @@
+"""The broker: routes slot addresses from students to workers, and completions back.
+
+Shape of the ZeroMQ guide's Majordomo broker: one poll loop whose timeout is the
+heartbeat interval; each message goes to one ``_on_<command>`` handler; then dead
+peers are purged. The broker never touches sample data.
+
+State per run (``RunState``): model, generation, a FIFO of requested slots. A
+request carries no generation of its own beyond "at least this one": the broker
+stamps the run's *current* generation when it hands the slot to a worker, and
+completes a slot only if that generation is still current; otherwise the student
+is told DISCARDED and asks again. So a switch never strands a slot, and nothing of
+an older generation is ever completed after ``SET_MODEL`` was answered.
+
+Workers get credit-based flow control: READY says how many slots a worker can hold
+(absolute), each WORK spends credit, each DONE returns it. WORKs hold slots of one
+run (one model), up to the worker's ``max_batch``; runs are served round robin.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from distill.pipeline import protocol
+from distill.pipeline.endpoints import default_endpoint, prepare_endpoint
+from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+from distill.pipeline.protocol import Command, Message, ProtocolError
+from distill.pipeline.slot import HEADER_BYTES
+from distill.pipeline.stats import BrokerStats, RateMeter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUN = "default"
+MAX_QUEUED_PER_RUN = 1_000_000
+MAX_PURGED_REMEMBERED = 10_000
+
+
+@dataclass(slots=True)
+class SlotRequest:
+    """One slot a student wants filled."""
+
+    student: bytes
+    run_id: str
+    medium: str
+    stride: int
+    slot_idx: int
+    request_id: int
+
+
+@dataclass
+class Work:
+    work_id: int
+    worker: bytes
+    run_id: str
+    generation: int
+    items: list[SlotRequest]
+
+
+@dataclass
+class WorkerPeer:
+    identity: bytes
+    peer_id: str
+    credit: int
+    max_batch: int
+    last_seen: float
+    in_flight: dict[int, Work] = field(default_factory=dict)
+
+
+@dataclass
+class StudentPeer:
+    identity: bytes
+    peer_id: str
+    run_id: str
+    last_seen: float
+
+
+@dataclass
+class RunState:
+    run_id: str
+    generation: int = 0
+    model_id: str | None = None
+    model_cfg: dict | None = None
+    queue: deque[SlotRequest] = field(default_factory=deque)
+    completed: int = 0
+    discarded: int = 0
+
+
+class Broker:
+    """Routes REQUESTs to workers and DONEs back to students (see module docstring)."""
+
+    def __init__(self, frontend_endpoint: str | None = None, backend_endpoint: str | None = None,
+                 control_endpoint: str | None = None, control_pub_endpoint: str | None = None, *,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS,
+                 max_queued_per_run: int = MAX_QUEUED_PER_RUN) -> None:
+        self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
+        self.backend_endpoint = backend_endpoint or default_endpoint("backend")
+        self.control_endpoint = control_endpoint or default_endpoint("control")
+        self.control_pub_endpoint = control_pub_endpoint or default_endpoint("control_pub")
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_liveness = heartbeat_liveness
+        self.max_queued_per_run = max_queued_per_run
+        self._runs: dict[str, RunState] = {}
+        self._workers: dict[str, WorkerPeer] = {}  # by peer_id
+        self._students: dict[str, StudentPeer] = {}  # by peer_id
+        self._purged_students: dict[str, None] = {}  # insertion-ordered set, bounded
+        self.instance_id = f"broker-{uuid.uuid4().hex[:12]}"  # changes on restart
+        self._next_work_id = 1
+        self._rr_runs: deque[str] = deque()
+        self._counters = BrokerStats()
+        self._completed_rate = RateMeter()
+        self._requested_rate = RateMeter()
+        self._started_at = time.monotonic()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # guards stats snapshots taken from other threads
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> None:
+        """Serve until :meth:`stop` (blocking)."""
+        ctx = zmq.Context()
+        socks = self._bind(ctx)
+        self._ready.set()
+        log.info("broker serving: frontend=%s backend=%s", self.frontend_endpoint, self.backend_endpoint)
+        try:
+            self._loop(*socks)
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+            ctx.term()
+            log.info("broker stopped")
+
+    def start(self) -> Broker:
+        """Serve from a background thread; returns once the sockets are bound."""
+        self._thread = threading.Thread(target=self._run_guarded, name="broker", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=10)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    @property
+    def stats(self) -> BrokerStats:
+        with self._lock:
+            return self._snapshot()
+
+    def _run_guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+            self._ready.set()
+            log.exception("broker failed")
+
+    def _bind(self, ctx: zmq.Context) -> tuple[zmq.Socket, ...]:
+        socks = []
+        for kind, endpoint in ((zmq.ROUTER, self.frontend_endpoint), (zmq.ROUTER, self.backend_endpoint),
+                               (zmq.ROUTER, self.control_endpoint), (zmq.PUB, self.control_pub_endpoint)):
+            prepare_endpoint(endpoint)
+            sock = protocol.configure(ctx.socket(kind))
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                for s in socks + [sock]:
+                    s.close(linger=0)
+                raise OSError(f"broker cannot bind {endpoint}: {exc}; is another broker running?") from exc
+            socks.append(sock)
+        return tuple(socks)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self, frontend: zmq.Socket, backend: zmq.Socket, control: zmq.Socket,
+              pub: zmq.Socket) -> None:
+        self._frontend, self._backend, self._control, self._pub = frontend, backend, control, pub
+        self._handler_table = self._handlers()
+        poller = zmq.Poller()
+        for sock in (frontend, backend, control):
+            poller.register(sock, zmq.POLLIN)
+        timeout_ms = self.heartbeat_interval_s * 1000
+        next_purge = time.monotonic() + self.heartbeat_interval_s
+        while not self._stop.is_set():
+            events = dict(poller.poll(timeout_ms))
+            with self._lock:
+                for sock in (control, backend, frontend):  # control first: switches win
+                    if sock in events:
+                        self._drain(sock)
+                self._dispatch()
+                if time.monotonic() >= next_purge:
+                    self._purge()
+                    next_purge = time.monotonic() + self.heartbeat_interval_s
+
+    def _drain(self, sock: zmq.Socket, max_messages: int = 1000) -> None:
+        for _ in range(max_messages):
+            identity, msg = protocol.recv_routed(sock)
+            self._route(sock, identity, msg)
+            if not sock.poll(0):
+                return
+
+    def _route(self, sock: zmq.Socket, identity: bytes, msg: Message | ProtocolError) -> None:
+        if isinstance(msg, ProtocolError):
+            self._refuse(sock, identity, msg.reason)
+            return
+        handler = self._handler_table.get((id(sock), msg.command))
+        if handler is None:
+            self._refuse(sock, identity, f"command {msg.command.name} not accepted on this socket",
+                         msg.command)
+            return
+        try:
+            handler(identity, msg.body)
+        except ProtocolError as exc:
+            self._refuse(sock, identity, exc.reason, msg.command)
+
+    def _handlers(self) -> dict[tuple[int, Command], Any]:
+        f, b, c = id(self._frontend), id(self._backend), id(self._control)
+        return {
+            (f, Command.HELLO): self._on_hello,
+            (f, Command.REQUEST): self._on_request,
+            (f, Command.HEARTBEAT): self._on_student_heartbeat,
+            (f, Command.STATS): lambda ident, body: self._on_stats(self._frontend, ident, body),
+            (f, Command.BYE): self._on_student_bye,
+            (b, Command.READY): self._on_ready,
+            (b, Command.DONE): self._on_done,
+            (b, Command.HEARTBEAT): self._on_worker_heartbeat,
+            (b, Command.BYE): self._on_worker_bye,
+            (c, Command.SET_MODEL): self._on_set_model,
+            (c, Command.STOP): self._on_stop,
+            (c, Command.STATS): lambda ident, body: self._on_stats(self._control, ident, body),
+        }
+
+    def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str,
+                command: Command | None = None) -> None:
+        self._counters.bad_messages += 1
+        log.warning("refused message from %r: %s", identity[:16], reason)
+        body = {"reason": reason[:protocol.MAX_STRING_CHARS]}
+        if command is not None:
+            body["command"] = command.name
+        protocol.send(sock, Command.ERROR, body, identity=identity)
+
+    # ------------------------------------------------------------------ students
+    def _run(self, run_id: str) -> RunState:
+        run = self._runs.get(run_id)
+        if run is None:
+            run = self._runs[run_id] = RunState(run_id)
+            self._rr_runs.append(run_id)
+        return run
+
+    def _touch_student(self, identity: bytes, peer_id: str, run_id: str) -> StudentPeer:
+        peer = self._students.get(peer_id)
+        if peer is None:
+            peer = self._students[peer_id] = StudentPeer(identity, peer_id, run_id, time.monotonic())
+        peer.identity, peer.last_seen = identity, time.monotonic()
+        return peer
+
+    def _on_hello(self, identity: bytes, body: dict) -> None:
+        run = self._run(body["run_id"])
+        self._touch_student(identity, body["peer_id"], run.run_id)
+        protocol.send(self._frontend, Command.WELCOME, {
+            "run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
+            "model_cfg": run.model_cfg, "heartbeat_interval_ms": int(self.heartbeat_interval_s * 1000),
+        }, identity=identity)
+
+    def _on_request(self, identity: bytes, body: dict) -> None:
+        run = self._run(body["run_id"])
+        self._touch_student(identity, body["peer_id"], run.run_id)
+        stride, slots = body["stride"], body["slots"]
+        if stride <= HEADER_BYTES:
+            raise ProtocolError(f"REQUEST.stride {stride} leaves no room after the {HEADER_BYTES}-byte header")
+        if len(run.queue) + len(slots) > self.max_queued_per_run:
+            self._counters.refused += len(slots)
+            raise ProtocolError(f"run {run.run_id}: queue full ({len(run.queue)} slots); "
+                                "slow down or add workers")
+        for slot_idx, request_id in slots:
+            run.queue.append(SlotRequest(identity, run.run_id, body["medium"], stride, slot_idx, request_id))
+        self._counters.requested += len(slots)
+        self._requested_rate.add(len(slots))
+
+    def _on_student_heartbeat(self, identity: bytes, body: dict) -> None:
+        peer = self._students.get(body["peer_id"])
+        if peer is None and body["peer_id"] in self._purged_students:
+            # We dropped its requests: it must ask again. (Unknown but never purged
+            # means its first REQUEST is still on the way: nothing to do.)
+            del self._purged_students[body["peer_id"]]
+            protocol.send(self._frontend, Command.RECONNECT, {}, identity=identity)
+            return
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        protocol.send(self._frontend, Command.HEARTBEAT, {"peer_id": self.instance_id, "role": "broker"},
+                      identity=identity)
+
+    def _on_student_bye(self, identity: bytes, body: dict) -> None:
+        peer = self._students.pop(body["peer_id"], None)
+        if peer is not None:
+            self._drop_student_requests(peer)
+
+    def _drop_student_requests(self, peer: StudentPeer) -> None:
+        run = self._runs.get(peer.run_id)
+        if run is not None:
+            run.queue = deque(r for r in run.queue if r.student != peer.identity)
+
+    def _on_stats(self, sock: zmq.Socket, identity: bytes, body: dict) -> None:
+        protocol.send(sock, Command.STATS_REPLY, {"stats": self._snapshot().to_dict()}, identity=identity)
+
+    # ------------------------------------------------------------------ control
+    def _on_set_model(self, identity: bytes, body: dict) -> None:
+        run = self._run(body["run_id"])
+        restore = body.get("restore_generation")
+        if restore is not None and restore >= run.generation:
+            run.generation = restore  # a leader re-joining a restarted broker
+        else:
+            run.generation += 1
+        run.model_id, run.model_cfg = body["model_id"], body.get("model_cfg")
+        log.info("run %s: model %s, generation %d", run.run_id, run.model_id, run.generation)
+        model = {"run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
+                 "model_cfg": run.model_cfg}
+        protocol.send(self._pub, Command.MODEL, model, topic=run.run_id.encode())
+        protocol.send(self._control, Command.MODEL_SET, {
+            "run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
+        }, identity=identity)
+
+    def _on_stop(self, identity: bytes, body: dict) -> None:
+        """Publish STOP to the workers (of one run, or all); answered with the stats."""
+        run_id = body.get("run_id")
+        log.info("stop requested for %s", run_id or "all workers")
+        protocol.send(self._pub, Command.STOP, {"run_id": run_id}, topic=(run_id or "").encode())
+        protocol.send(self._control, Command.STATS_REPLY, {"stats": self._snapshot().to_dict()},
+                      identity=identity)
+
+    # ------------------------------------------------------------------ workers
+    def _on_ready(self, identity: bytes, body: dict) -> None:
+        peer = self._workers.get(body["peer_id"])
+        if peer is None:
+            peer = self._workers[body["peer_id"]] = WorkerPeer(
+                identity, body["peer_id"], 0, 1, time.monotonic())
+            log.info("worker %s joined (credit %d)", peer.peer_id, body["credit"])
+        peer.identity, peer.last_seen = identity, time.monotonic()
+        peer.credit = body["credit"]
+        peer.max_batch = max(1, body["max_batch"])
+
+    def _on_worker_heartbeat(self, identity: bytes, body: dict) -> None:
+        peer = self._workers.get(body["peer_id"])
+        if peer is None:
+            protocol.send(self._backend, Command.RECONNECT, {}, identity=identity)
+            return
+        peer.last_seen = time.monotonic()
+        protocol.send(self._backend, Command.HEARTBEAT, {"peer_id": self.instance_id, "role": "broker"},
+                      identity=identity)
+
+    def _on_worker_bye(self, identity: bytes, body: dict) -> None:
+        peer = self._workers.pop(body["peer_id"], None)
+        if peer is not None:
+            log.info("worker %s left", peer.peer_id)
+            self._requeue(peer)
+
+    def _on_done(self, identity: bytes, body: dict) -> None:
+        peer = self._workers.get(body["peer_id"])
+        if peer is None:
+            return  # a worker we declared dead: its slots were re-queued already
+        peer.last_seen = time.monotonic()
+        work = peer.in_flight.pop(body["work_id"], None)
+        if work is None:
+            peer.credit += body["num_items"]  # work from before a broker restart
+            return
+        peer.credit += len(work.items)
+        failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < len(work.items)}
+        self._complete(work, failed)
+
+    def _complete(self, work: Work, failed: dict[int, str]) -> None:
+        run = self._runs.get(work.run_id)
+        stale = run is None or work.generation != run.generation
+        by_student: dict[bytes, list[list]] = {}
+        discarded: dict[bytes, list[list[int]]] = {}
+        for idx, item in enumerate(work.items):
+            if stale or failed.get(idx) == "stale":
+                discarded.setdefault(item.student, []).append([item.slot_idx, item.request_id])
+                continue
+            ok = idx not in failed
+            if not ok:
+                log.warning("worker failed slot %d of %s: %s", item.slot_idx, item.medium, failed[idx])
+            by_student.setdefault(item.student, []).append([item.slot_idx, item.request_id, ok])
+        self._counters.completed += sum(ok for rows in by_student.values() for *_, ok in rows)
+        self._counters.failed += sum(not ok for rows in by_student.values() for *_, ok in rows)
+        self._counters.discarded += sum(len(v) for v in discarded.values())
+        if run is not None:
+            run.completed += sum(len(v) for v in by_student.values())
+            run.discarded += sum(len(v) for v in discarded.values())
+        self._completed_rate.add(sum(len(v) for v in by_student.values()))
+        for student, rows in by_student.items():
+            protocol.send(self._frontend, Command.COMPLETE, {"generation": work.generation, "slots": rows},
+                          identity=student)
+        for student, rows in discarded.items():
+            protocol.send(self._frontend, Command.DISCARDED,
+                          {"generation": run.generation if run else 0, "slots": rows}, identity=student)
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self) -> None:
+        """Hand queued slots to workers with credit, one run (model) per WORK."""
+        if not self._workers:
+            return
+        for _ in range(len(self._rr_runs)):
+            run_id = self._rr_runs[0]
+            self._rr_runs.rotate(-1)
+            run = self._runs[run_id]
+            if run.model_id is None or not run.queue:
+                continue
+            for worker in sorted(self._workers.values(), key=lambda w: -w.credit):
+                if not run.queue:
+                    break
+                while worker.credit > 0 and run.queue:
+                    self._send_work(worker, run, min(worker.credit, worker.max_batch))
+
+    def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
+        items = [run.queue.popleft() for _ in range(min(count, len(run.queue)))]
+        work = Work(self._next_work_id, worker.identity, run.run_id, run.generation, items)
+        self._next_work_id += 1
+        worker.in_flight[work.work_id] = work
+        worker.credit -= len(items)
+        self._counters.dispatched += len(items)
+        protocol.send(self._backend, Command.WORK, {
+            "work_id": work.work_id, "run_id": run.run_id, "generation": run.generation,
+            "model_id": run.model_id, "model_cfg": run.model_cfg,
+            "items": [[i.medium, i.slot_idx, i.stride, i.request_id] for i in items],
+        }, identity=worker.identity)
+
+    # ------------------------------------------------------------------ liveness
+    def _purge(self) -> None:
+        deadline = time.monotonic() - self.heartbeat_interval_s * self.heartbeat_liveness
+        for peer in [w for w in self._workers.values() if w.last_seen < deadline]:
+            log.warning("worker %s missed %d heartbeats: re-queueing its %d slot(s)", peer.peer_id,
+                        self.heartbeat_liveness, sum(len(w.items) for w in peer.in_flight.values()))
+            del self._workers[peer.peer_id]
+            self._requeue(peer)
+        for peer in [s for s in self._students.values() if s.last_seen < deadline]:
+            log.warning("student %s missed %d heartbeats: dropping its requests", peer.peer_id,
+                        self.heartbeat_liveness)
+            del self._students[peer.peer_id]
+            self._purged_students[peer.peer_id] = None
+            while len(self._purged_students) > MAX_PURGED_REMEMBERED:
+                self._purged_students.pop(next(iter(self._purged_students)))
+            self._drop_student_requests(peer)
+
+    def _requeue(self, peer: WorkerPeer) -> None:
+        live = {s.identity for s in self._students.values()}
+        for work in peer.in_flight.values():
+            run = self._runs.get(work.run_id)
+            if run is None:
+                continue
+            items = [i for i in work.items if i.student in live]
+            run.queue.extendleft(reversed(items))
+            self._counters.requeued += len(items)
+        peer.in_flight.clear()
+
+    def _snapshot(self) -> BrokerStats:
+        c = self._counters
+        per_run = {r.run_id: {"generation": r.generation, "model_id": r.model_id, "queued": len(r.queue),
+                              "completed": r.completed, "discarded": r.discarded}
+                   for r in self._runs.values()}
+        return BrokerStats(
+            queued=sum(len(r.queue) for r in self._runs.values()),
+            in_flight=sum(len(w.items) for p in self._workers.values() for w in p.in_flight.values()),
+            requested=c.requested, dispatched=c.dispatched, completed=c.completed,
+            discarded=c.discarded, requeued=c.requeued, failed=c.failed, refused=c.refused,
+            bad_messages=c.bad_messages, workers=len(self._workers), students=len(self._students),
+            runs=len(self._runs), completed_per_s=self._completed_rate.rate(),
+            requested_per_s=self._requested_rate.rate(), uptime_s=time.monotonic() - self._started_at,
+            per_run=per_run,
+        )

@@ -1,0 +1,410 @@
+"""The student side: a pool of owned slots, and the StudentClient of the seed README.
+
+:class:`SlotPool` is what every consumer process has (the StudentClient, and each
+DataLoader worker of a DistillIterableDataset): one shared-memory medium, one
+socket to the broker's frontend, and the bookkeeping that makes delivery exact:
+
+- each fill gets a fresh request id; the header is cleared before asking;
+- a COMPLETE is accepted only for a slot that is pending with that request id, of a
+  generation not older than the newest one known, with a header that checks out;
+- DISCARDED (stale work) and failed slots are asked for again, so none gets stuck.
+
+Slot life: FREE -> (request) PENDING -> (COMPLETE, checked) READY -> (handed out)
+HELD -> (release) FREE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from distill.pipeline import protocol
+from distill.pipeline.batch import BatchConfig
+from distill.pipeline.endpoints import default_endpoint
+from distill.pipeline.liveness import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_LIVENESS,
+    Heartbeater,
+    new_peer_id,
+)
+from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
+from distill.pipeline.protocol import Command, ProtocolError
+from distill.pipeline.slot import HEADER_BYTES, check_slot, clear_header, slot_stride
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUN = "default"
+CONTROL_TIMEOUT_MS = 10_000
+
+
+@dataclass
+class SampleRef:
+    """A filled slot handed to the user: views valid until ``release_slot(slot_id)``."""
+
+    slot_id: int
+    generation: int
+    request_id: int
+    data: memoryview
+    tensors: dict[str, torch.Tensor]
+
+
+class SlotPool:
+    """Owned slots + a frontend socket (see module docstring). One per process."""
+
+    def __init__(self, frontend_endpoint: str, run_id: str, slot_count: int, payload_bytes: int,
+                 generation: Callable[[], int], note_generation: Callable[[int], None], *,
+                 role: str = "student", request_batch: int | None = None,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+        sweep_orphans()
+        self.run_id = run_id
+        self.payload_bytes = payload_bytes
+        self.peer_id = new_peer_id(role)
+        self._generation = generation
+        self._note_generation = note_generation
+        self.medium = SharedMemoryManager(slot_count, slot_stride(payload_bytes), read_only=True,
+                                          run_id=run_id)
+        self.request_batch = request_batch or max(1, slot_count // 4)
+        self._ctx = zmq.Context()
+        self._sock = protocol.configure(self._ctx.socket(zmq.DEALER))
+        self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
+        self._sock.connect(frontend_endpoint)
+        self._heart = Heartbeater(frontend_endpoint, self.peer_id, role, interval_s=heartbeat_interval_s,
+                                  liveness=heartbeat_liveness).start()
+        self._free: deque[int] = deque(range(slot_count))
+        self._pending: dict[int, int] = {}  # slot -> request id
+        self._ready: deque[tuple[int, int, int]] = deque()  # (slot, generation, request id)
+        self._to_request: list[int] = []
+        self._next_request_id = 1
+        self.on_rejoin: Callable[[], None] | None = None
+        self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0}
+        self._closed = False
+        self._warned_silent = False
+
+    # ------------------------------------------------------------------ requests
+    def request_free(self) -> None:
+        """Ask for every FREE slot to be filled (sent on the next flush)."""
+        while self._free:
+            self._queue_request(self._free.popleft())
+
+    def release(self, slot_idx: int) -> None:
+        """A HELD slot comes back: ask for it again (batched)."""
+        self._queue_request(slot_idx)
+        if len(self._to_request) >= self.request_batch:
+            self.flush()
+
+    def _queue_request(self, slot_idx: int) -> None:
+        clear_header(self.medium.slot_view(slot_idx))
+        self._pending[slot_idx] = self._next_request_id
+        self._next_request_id += 1
+        self._to_request.append(slot_idx)
+
+    def flush(self) -> None:
+        if not self._to_request:
+            return
+        slots = [[s, self._pending[s]] for s in self._to_request if s in self._pending]
+        self._to_request.clear()
+        protocol.send(self._sock, Command.REQUEST, {
+            "run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
+            "medium": self.medium.buf_name, "stride": self.medium.slot_stride, "slots": slots,
+        })
+
+    # ------------------------------------------------------------------ delivery
+    def next_ready(self, timeout_ms: float) -> tuple[int, int, int] | None:
+        """The next checked slot (slot, generation, request id), or None on timeout."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            while self._ready:
+                slot, gen, req = self._ready.popleft()
+                if gen >= self._generation():
+                    return slot, gen, req
+                self.counts["stale"] += 1
+                self._queue_request(slot)
+            self.flush()
+            self._check_broker()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._sock.poll(min(left, self._heart.interval_s) * 1000):
+                self._drain()
+
+    def _drain(self) -> None:
+        while self._sock.poll(0):
+            try:
+                msg = protocol.recv(self._sock)
+            except ProtocolError as exc:
+                log.warning("%s: bad message from broker: %s", self.peer_id, exc.reason)
+                continue
+            self._on_message(msg)
+
+    def _on_message(self, msg: protocol.Message) -> dict[str, Any] | None:
+        if msg.command is Command.COMPLETE:
+            self._on_complete(msg.body["generation"], msg.body["slots"])
+        elif msg.command is Command.DISCARDED:
+            self._on_discarded(msg.body["slots"])
+        elif msg.command is Command.ERROR:
+            log.error("%s: broker refused %s: %s", self.peer_id, msg.body.get("command"),
+                      msg.body["reason"])
+        elif msg.command is Command.WELCOME:
+            return msg.body
+        return None
+
+    def _on_complete(self, generation: int, rows: list[list]) -> None:
+        if generation > self._generation():
+            self._note_generation(generation)
+        for slot, req, ok in rows:
+            if self._pending.get(slot) != req:
+                self.counts["rejected"] += 1  # not what we asked for (late or foreign)
+                continue
+            del self._pending[slot]
+            if not ok:
+                self.counts["failed"] += 1
+                self._queue_request(slot)
+                continue
+            problem = check_slot(self.medium.slot_view(slot), generation, req, self.payload_bytes)
+            if problem is not None:
+                self.counts["rejected"] += 1
+                log.warning("%s: slot %d refused: %s", self.peer_id, slot, problem)
+                self._queue_request(slot)
+                continue
+            self.counts["accepted"] += 1
+            self._ready.append((slot, generation, req))
+
+    def _on_discarded(self, rows: list[list[int]]) -> None:
+        for slot, req in rows:
+            if self._pending.get(slot) == req:
+                self.counts["discarded"] += 1
+                self._queue_request(slot)
+
+    def _check_broker(self) -> None:
+        """After a broker restart (or it purged us) ask again for everything pending.
+
+        Mere silence is only logged: asking twice for a slot that a worker may
+        still be writing would let two writers race on it.
+        """
+        if not self._heart.broker_alive and not self._warned_silent:
+            self._warned_silent = True
+            log.warning("%s: no heartbeat from the broker for %.1fs", self.peer_id,
+                        time.monotonic() - self._heart.last_heard)
+        elif self._heart.broker_alive:
+            self._warned_silent = False
+        if not self._heart.forgotten.is_set():
+            return
+        self._heart.forgotten.clear()
+        log.warning("%s: the broker forgot us; asking again for %d pending slot(s)", self.peer_id,
+                    len(self._pending))
+        if self.on_rejoin is not None:
+            self.on_rejoin()
+        for slot in list(self._pending):
+            self._queue_request(slot)
+        self.flush()
+
+    def hello(self, rank: int, timeout_ms: float = CONTROL_TIMEOUT_MS) -> dict[str, Any]:
+        protocol.send(self._sock, Command.HELLO, {"run_id": self.run_id, "peer_id": self.peer_id,
+                                                  "rank": rank})
+        deadline = time.monotonic() + timeout_ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            if self._sock.poll(left * 1000):
+                try:
+                    welcome = self._on_message(protocol.recv(self._sock))
+                except ProtocolError as exc:
+                    log.warning("bad message from broker: %s", exc.reason)
+                    continue
+                if welcome is not None:
+                    return welcome
+        raise TimeoutError(f"no answer from the broker at {self._sock.last_endpoint.decode()} in "
+                           f"{timeout_ms / 1000:.0f}s: is `python -m distill mode=broker` running?")
+
+    def slot_tensors(self, slot_idx: int, batch_config: BatchConfig) -> tuple[memoryview, dict]:
+        view = self.medium.slot_view(slot_idx)[HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
+        return view, batch_config.decode(view)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._heart.stop()
+        with contextlib.suppress(zmq.ZMQError):
+            protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
+        self._sock.close(linger=100)
+        self._ctx.term()
+        self.medium.close()
+
+
+class StudentClient:
+    """The student of the seed README: owns slots, switches models (leader), follows (others)."""
+
+    def __init__(self, student_rank: int, slot_count: int, batch_config: BatchConfig,
+                 frontend_endpoint: str | None = None, control_endpoint: str | None = None,
+                 control_pub_endpoint: str | None = None, *, run_id: str = DEFAULT_RUN,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+        self.student_rank = student_rank
+        self.batch_config = batch_config
+        self.run_id = run_id
+        self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
+        self.control_endpoint = control_endpoint or default_endpoint("control")
+        self.control_pub_endpoint = control_pub_endpoint or default_endpoint("control_pub")
+        self.generation_value = mp.Value("q", 0)
+        self.model_id: str | None = None
+        self._model_cfg: dict | None = None
+        self._gen_lock = threading.Lock()
+        self._pool = SlotPool(self.frontend_endpoint, run_id, slot_count, batch_config.nbytes(),
+                              self._current_generation, self._note_generation,
+                              heartbeat_interval_s=heartbeat_interval_s,
+                              heartbeat_liveness=heartbeat_liveness)
+        self._pool.on_rejoin = self._rejoin
+        self._requested = False
+        self._held: set[int] = set()
+        self._sub_thread: threading.Thread | None = None
+        self._sub_stop = threading.Event()
+        self._generation_seen = threading.Condition()
+
+    # ------------------------------------------------------------------ generation
+    @property
+    def generation(self) -> int:
+        return self.generation_value.value
+
+    def _current_generation(self) -> int:
+        return self.generation_value.value
+
+    def _note_generation(self, generation: int) -> None:
+        """Raise the shared generation (never lower it: generations only move forward)."""
+        with self._gen_lock, self.generation_value.get_lock():
+            if generation > self.generation_value.value:
+                self.generation_value.value = generation
+        with self._generation_seen:
+            self._generation_seen.notify_all()
+
+    def wait_generation(self, generation: int, timeout_s: float = 30.0) -> int:
+        """Block until this client knows ``generation`` (followers, after a DDP broadcast)."""
+        deadline = time.monotonic() + timeout_s
+        with self._generation_seen:
+            while self.generation < generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"generation {generation} not seen in {timeout_s}s "
+                                       "(is start_sub_listener() running?)")
+                self._generation_seen.wait(min(left, 0.1))
+        return self.generation
+
+    # ------------------------------------------------------------------ API
+    def hello(self) -> dict[str, Any]:
+        """Register with the broker; learn the run's current model and generation."""
+        welcome = self._pool.hello(self.student_rank)
+        self._note_generation(welcome["generation"])
+        self.model_id = welcome.get("model_id")
+        return welcome
+
+    def set_model(self, model_id: str, model_cfg: dict | None = None) -> int:
+        """Leader only: switch every worker to ``model_id``; returns the new generation.
+
+        When this returns, no sample of an older generation is yielded by this client
+        or by datasets sharing its ``generation_value``.
+        """
+        reply = self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": model_id,
+                                                  "model_cfg": model_cfg})
+        if reply.command is not Command.MODEL_SET:
+            raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
+        self._note_generation(reply.body["generation"])
+        self.model_id = model_id
+        self._model_cfg = model_cfg
+        return reply.body["generation"]
+
+    def stop_workers(self) -> None:
+        """Ask the broker to publish STOP to every worker."""
+        self._control(Command.STOP, {})
+
+    def request_sample(self, timeout_ms: float = 1000) -> SampleRef | None:
+        """The next filled slot of the current generation, or None after ``timeout_ms``."""
+        if not self._requested:
+            self._pool.request_free()
+            self._requested = True
+        got = self._pool.next_ready(timeout_ms)
+        if got is None:
+            return None
+        slot, gen, req = got
+        data, tensors = self._pool.slot_tensors(slot, self.batch_config)
+        self._held.add(slot)
+        return SampleRef(slot, gen, req, data, tensors)
+
+    def release_slot(self, slot_id: int) -> None:
+        """Give a slot back (its views become invalid) so it can be filled again."""
+        if slot_id not in self._held:
+            raise ValueError(f"slot {slot_id} is not held by this client")
+        self._held.discard(slot_id)
+        self._pool.release(slot_id)
+
+    def start_sub_listener(self) -> None:
+        """Followers: track the leader's model switches through the broker's PUB socket."""
+        if self._sub_thread is not None:
+            return
+        ready = threading.Event()
+        self._sub_thread = threading.Thread(target=self._listen, args=(ready,), daemon=True,
+                                            name=f"sub-{self.student_rank}")
+        self._sub_thread.start()
+        ready.wait(5)
+
+    def _listen(self, ready: threading.Event) -> None:
+        ctx = zmq.Context.instance()
+        sub = protocol.configure(ctx.socket(zmq.SUB))
+        sub.setsockopt(zmq.SUBSCRIBE, self.run_id.encode())
+        sub.connect(self.control_pub_endpoint)
+        ready.set()
+        try:
+            while not self._sub_stop.is_set():
+                if not sub.poll(100):
+                    continue
+                try:
+                    msg = protocol.recv_published(sub)
+                except ProtocolError as exc:
+                    log.warning("bad broadcast: %s", exc.reason)
+                    continue
+                if msg.command is Command.MODEL and msg.body["run_id"] == self.run_id:
+                    self.model_id = msg.body["model_id"]
+                    self._note_generation(msg.body["generation"])
+        finally:
+            sub.close(linger=0)
+
+    def _control(self, command: Command, body: dict) -> protocol.Message:
+        ctx = zmq.Context.instance()
+        sock = protocol.configure(ctx.socket(zmq.DEALER))
+        sock.connect(self.control_endpoint)
+        try:
+            protocol.send(sock, command, body)
+            if not sock.poll(CONTROL_TIMEOUT_MS):
+                raise TimeoutError(f"no answer to {command.name} from {self.control_endpoint}: "
+                                   "is the broker running?")
+            return protocol.recv(sock)
+        finally:
+            sock.close(linger=0)
+
+    def _rejoin(self) -> None:
+        """A restarted broker lost the run's model: the leader restores it."""
+        if self.student_rank == 0 and self.model_id is not None:
+            log.warning("restoring model %s (generation %d) on the broker", self.model_id, self.generation)
+            self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
+                                              "model_cfg": self._model_cfg,
+                                              "restore_generation": self.generation})
+
+    def close(self) -> None:
+        self._sub_stop.set()
+        if self._sub_thread is not None:
+            self._sub_thread.join(timeout=2)
+        self._pool.close()
+
+    def __enter__(self) -> StudentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

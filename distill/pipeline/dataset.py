@@ -1,0 +1,153 @@
+"""DistillIterableDataset: an infinite IterableDataset over slots filled by workers.
+
+Each process that iterates it (the main process, or every DataLoader worker) gets
+its own :class:`SlotPool`: its own shared memory and its own socket, created inside
+``__iter__`` so nothing unpicklable crosses into DataLoader workers. The shared
+``generation_value`` (from ``StudentClient.generation_value``) is read before each
+yield: nothing older than the newest generation is ever yielded.
+
+Two modes:
+
+- ``batch_size=None`` (the seed README's): yields one sample per item, copied out
+  of its slot (a slot is reused as soon as the next item is asked for, so a view
+  could not outlive it). Use the DataLoader's ``batch_size`` to batch.
+- ``batch_size=B``: yields ready-made batches ``{name: Tensor[B, ...]}``; each
+  sample is copied exactly once, from its slot into the batch. Use
+  ``DataLoader(dataset, batch_size=None)``. This is the fast path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.util
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from distill.pipeline.batch import BatchConfig
+from distill.pipeline.client import DEFAULT_RUN, SlotPool
+from distill.pipeline.endpoints import default_endpoint
+from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+
+log = logging.getLogger(__name__)
+
+WARN_EVERY_S = 10.0
+META_KEYS = ("generation", "request_id")
+
+
+class DistillIterableDataset(IterableDataset):
+    """Infinite stream of ``dict[str, Tensor]`` samples (or batches) from the workers."""
+
+    def __init__(self, student_rank: int, generation_value: Any, slot_count: int,
+                 batch_config: BatchConfig, frontend_endpoint: str | None = None,
+                 max_retries: int = 10, retry_delay: float = 0.01, *, run_id: str = DEFAULT_RUN,
+                 batch_size: int | None = None, with_meta: bool = False,
+                 timeout_s: float | None = None,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+        super().__init__()
+        if batch_size is not None and batch_size > slot_count:
+            raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
+                             "slots all at once; raise slot_count")
+        self.student_rank = student_rank
+        self.generation_value = generation_value
+        self.slot_count = slot_count
+        self.batch_config = batch_config
+        self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
+        self.max_retries = max_retries
+        self.retry_delay = retry_delay
+        self.run_id = run_id
+        self.batch_size = batch_size
+        self.with_meta = with_meta
+        self.timeout_s = timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_liveness = heartbeat_liveness
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        pool = self._open_pool()
+        try:
+            pool.request_free()
+            if self.batch_size is None:
+                yield from self._samples(pool)
+            else:
+                yield from self._batches(pool)
+        finally:
+            pool.close()
+
+    # ------------------------------------------------------------------ internals
+    def _open_pool(self) -> SlotPool:
+        pool = SlotPool(self.frontend_endpoint, self.run_id, self.slot_count,
+                        self.batch_config.nbytes(), self._generation, self._note_generation,
+                        role=f"dataset{self.student_rank}",
+                        heartbeat_interval_s=self.heartbeat_interval_s,
+                        heartbeat_liveness=self.heartbeat_liveness)
+        if get_worker_info() is not None:
+            # DataLoader workers leave through multiprocessing's exit path, which skips
+            # atexit and generator cleanup but runs these finalizers: unlink there.
+            multiprocessing.util.Finalize(pool, pool.close, exitpriority=10)
+        return pool
+
+    def _generation(self) -> int:
+        return self.generation_value.value
+
+    def _note_generation(self, generation: int) -> None:
+        with self.generation_value.get_lock():
+            if generation > self.generation_value.value:
+                self.generation_value.value = generation
+
+    def _next(self, pool: SlotPool) -> tuple[int, int, int]:
+        started = last_warning = time.monotonic()
+        misses = 0
+        while True:
+            got = pool.next_ready(max(self.retry_delay, 0.001) * 1000 * self.max_retries)
+            if got is not None and got[1] >= self._generation():
+                return got
+            if got is not None:  # went stale while we looked: ask again
+                pool.release(got[0])
+                continue
+            misses += 1
+            now = time.monotonic()
+            if self.timeout_s is not None and now - started > self.timeout_s:
+                raise TimeoutError(f"no sample for {self.timeout_s:.0f}s from {self.frontend_endpoint}: "
+                                   "are the broker and workers running, and was set_model called?")
+            if now - last_warning > WARN_EVERY_S:
+                last_warning = now
+                log.warning("waiting %.0fs for samples (generation %d): are workers running, and has "
+                            "the leader called set_model?", now - started, self._generation())
+
+    def _samples(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            slot, gen, req = self._next(pool)
+            _, views = pool.slot_tensors(slot, self.batch_config)
+            sample = {name: view.clone() for name, view in views.items()}
+            pool.release(slot)
+            if self.with_meta:
+                sample.update(generation=torch.tensor(gen), request_id=torch.tensor(req))
+            yield sample
+
+    def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
+        specs = self.batch_config.specs
+        while True:
+            batch = {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype) for s in specs}
+            gens, reqs, slots = [], [], []
+            while len(slots) < self.batch_size:
+                slot, gen, req = self._next(pool)
+                _, views = pool.slot_tensors(slot, self.batch_config)
+                for name, view in views.items():
+                    batch[name][len(slots)].copy_(view)
+                slots.append(slot)
+                gens.append(gen)
+                reqs.append(req)
+            if min(gens) < self._generation():  # the model moved on while we filled the batch
+                for slot in slots:
+                    pool.release(slot)
+                continue
+            for slot in slots:
+                pool.release(slot)
+            pool.flush()
+            if self.with_meta:
+                batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs))
+            yield batch

@@ -1,0 +1,256 @@
+"""The wire protocol: every command and message schema of the pipeline, in one place.
+
+This is the only module that knows about frames and msgpack. Everything that
+crosses a socket is built by :func:`encode` and checked by :func:`decode`, which
+raises :class:`ProtocolError` (never ``AssertionError``) so that a peer sending
+garbage is logged and answered, and the receiver keeps serving.
+
+Frames of one message (after the ROUTER identity frame, when there is one)::
+
+    +----------------+-----------+------------------+
+    | PROTOCOL_TAG   | command   | msgpack(body)    |
+    | b"DST" + ver   | b"REQUEST"| dict, see SCHEMA |
+    +----------------+-----------+------------------+
+
+Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
+
+    Frontend ROUTER  S->B  HELLO, REQUEST, HEARTBEAT, STATS, BYE
+                     B->S  WELCOME, COMPLETE, DISCARDED, ERROR, STATS_REPLY
+    Backend  ROUTER  W->B  READY, DONE, HEARTBEAT, BYE
+                     B->W  WORK, ERROR, RECONNECT
+    Control  ROUTER  L->B  SET_MODEL, STOP, STATS
+                     B->L  MODEL_SET, STATS_REPLY, ERROR
+    ControlPub PUB   B->*  MODEL, STOP    (topic frame = run id, or b"" for all)
+
+Slot items travel as compact lists rather than dicts so that one REQUEST, WORK or
+DONE can carry hundreds of slots cheaply:
+
+    REQUEST.slots  [[slot_idx, request_id], ...]           (one medium per REQUEST)
+    WORK.items     [[medium, slot_idx, stride, request_id], ...]
+    DONE.failed    [[item_idx, reason], ...]               (items not written)
+    COMPLETE.slots [[slot_idx, request_id, ok], ...]
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+PROTOCOL_VERSION = 1
+PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
+
+# Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
+# (socket option MAXMSGSIZE) before we ever see it.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_ITEMS_PER_MESSAGE = 65536
+MAX_STRING_CHARS = 255
+MAX_INT = 2**63 - 1
+
+
+class Command(bytes, enum.Enum):
+    """Wire commands. Values are the bytes of the command frame."""
+
+    HELLO = b"HELLO"
+    WELCOME = b"WELCOME"
+    REQUEST = b"REQUEST"
+    READY = b"READY"
+    WORK = b"WORK"
+    DONE = b"DONE"
+    COMPLETE = b"COMPLETE"
+    DISCARDED = b"DISCARDED"
+    SET_MODEL = b"SET_MODEL"
+    MODEL_SET = b"MODEL_SET"
+    MODEL = b"MODEL"
+    STOP = b"STOP"
+    STATS = b"STATS"
+    STATS_REPLY = b"STATS_REPLY"
+    HEARTBEAT = b"HEARTBEAT"
+    RECONNECT = b"RECONNECT"
+    BYE = b"BYE"
+    ERROR = b"ERROR"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol. ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A decoded, validated message."""
+
+    command: Command
+    body: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- schema
+# Each field: name -> kind. Kinds: "str", "int" (0..MAX_INT), "sint" (signed int),
+# "float", "bool", "dict" (msgpack map of plain values), "any", or a list kind
+# ("slots", "items", "failed", "done_slots") checked element-wise below.
+# A trailing "?" marks an optional field.
+
+SCHEMA: dict[Command, dict[str, str]] = {
+    Command.HELLO: {"run_id": "str", "peer_id": "str", "rank": "int?"},
+    Command.WELCOME: {"run_id": "str", "generation": "int", "model_id": "str?", "model_cfg": "dict?",
+                      "heartbeat_interval_ms": "int"},
+    Command.REQUEST: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
+                      "stride": "int", "slots": "slots"},
+    Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int"},
+    Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
+                   "model_cfg": "dict?", "items": "items"},
+    Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed"},
+    Command.COMPLETE: {"generation": "int", "slots": "done_slots"},
+    Command.DISCARDED: {"generation": "int", "slots": "slots"},
+    Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
+                        "restore_generation": "int?"},
+    Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
+    Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
+    Command.STOP: {"run_id": "str?"},
+    Command.STATS: {"run_id": "str?"},
+    Command.STATS_REPLY: {"stats": "dict"},
+    Command.HEARTBEAT: {"peer_id": "str", "role": "str"},
+    Command.RECONNECT: {},
+    Command.BYE: {"peer_id": "str"},
+    Command.ERROR: {"reason": "str", "command": "str?"},
+}
+
+
+def encode(command: Command, body: dict[str, Any] | None = None) -> list[bytes]:
+    """Frames for ``command`` with ``body`` (validated: we never send what we'd refuse)."""
+    body = {} if body is None else body
+    _validate(command, body)
+    return [PROTOCOL_TAG, command.value, msgpack.packb(body, use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Parse and validate the frames of one message (identity frame already removed)."""
+    if len(frames) != 3:
+        raise ProtocolError(f"expected 3 frames, got {len(frames)}")
+    tag, raw_command, raw_body = frames
+    if tag != PROTOCOL_TAG:
+        raise ProtocolError(f"bad protocol tag {bytes(tag[:8])!r} (want {PROTOCOL_TAG!r})")
+    try:
+        command = Command(bytes(raw_command))
+    except ValueError:
+        raise ProtocolError(f"unknown command {bytes(raw_command[:32])!r}") from None
+    try:
+        body = msgpack.unpackb(raw_body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise ProtocolError(f"{command.name}: body is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{command.name}: body must be a map, got {type(body).__name__}")
+    _validate(command, body)
+    return Message(command, body)
+
+
+def _validate(command: Command, body: dict[str, Any]) -> None:
+    schema = SCHEMA[command]
+    for key in body:
+        if key not in schema:
+            raise ProtocolError(f"{command.name}: unknown field {str(key)[:40]!r}")
+    for key, kind in schema.items():
+        optional = kind.endswith("?")
+        kind = kind.rstrip("?")
+        if key not in body or body[key] is None:
+            if optional:
+                continue
+            raise ProtocolError(f"{command.name}: missing field {key!r}")
+        _check_value(command, key, kind, body[key])
+
+
+def _check_value(command: Command, key: str, kind: str, value: Any) -> None:
+    where = f"{command.name}.{key}"
+    if kind == "str":
+        _check_str(where, value)
+    elif kind == "int":
+        _check_int(where, value)
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be a map")
+    elif kind in _LIST_SHAPES:
+        _check_list(where, value, _LIST_SHAPES[kind])
+    else:  # pragma: no cover - schema typo
+        raise AssertionError(f"unknown schema kind {kind}")
+
+
+def _check_str(where: str, value: Any) -> None:
+    if not isinstance(value, str) or len(value) > MAX_STRING_CHARS:
+        raise ProtocolError(f"{where} must be a string of at most {MAX_STRING_CHARS} chars")
+
+
+def _check_int(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+        raise ProtocolError(f"{where} must be an integer in [0, 2**63)")
+
+
+# Element shapes of the list fields: a tuple of element kinds.
+_LIST_SHAPES: dict[str, tuple[str, ...]] = {
+    "slots": ("int", "int"),
+    "items": ("str", "int", "int", "int"),
+    "failed": ("int", "str"),
+    "done_slots": ("int", "int", "bool"),
+}
+
+
+def _check_list(where: str, value: Any, shape: tuple[str, ...]) -> None:
+    if not isinstance(value, list) or len(value) > MAX_ITEMS_PER_MESSAGE:
+        raise ProtocolError(f"{where} must be a list of at most {MAX_ITEMS_PER_MESSAGE} items")
+    for item in value:
+        if not isinstance(item, list) or len(item) != len(shape):
+            raise ProtocolError(f"{where} items must be lists of {len(shape)} values")
+        for kind, element in zip(shape, item, strict=True):
+            if kind == "bool":
+                if not isinstance(element, bool):
+                    raise ProtocolError(f"{where} items: expected a bool")
+            elif kind == "str":
+                _check_str(where, element)
+            else:
+                _check_int(where, element)
+
+
+# --------------------------------------------------------------------------- sockets
+def configure(sock: zmq.Socket, *, hwm: int = 100_000) -> zmq.Socket:
+    """Socket options every pipeline socket gets: bounded size, no linger on close."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    return sock
+
+
+def send(sock: zmq.Socket, command: Command, body: dict[str, Any] | None = None, *,
+         identity: bytes | None = None, topic: bytes | None = None) -> None:
+    """Send one message; ``identity`` for ROUTER sockets, ``topic`` for PUB."""
+    frames = encode(command, body)
+    prefix = [identity] if identity is not None else [topic] if topic is not None else []
+    sock.send_multipart(prefix + frames, copy=False)
+
+
+def recv(sock: zmq.Socket) -> Message:
+    """Receive one message from a DEALER socket; raises ProtocolError on garbage."""
+    return decode(sock.recv_multipart())
+
+
+def recv_routed(sock: zmq.Socket) -> tuple[bytes, Message | ProtocolError]:
+    """Receive one message from a ROUTER: the sender's identity and the message or
+    the reason it was refused (so the caller can still answer the sender)."""
+    frames = sock.recv_multipart()
+    try:
+        return frames[0], decode(frames[1:])
+    except ProtocolError as exc:
+        return frames[0], exc
+
+
+def recv_published(sock: zmq.Socket) -> Message:
+    """Receive one message from a SUB socket (topic frame dropped)."""
+    frames = sock.recv_multipart()
+    if len(frames) < 2:
+        raise ProtocolError("published message without a topic frame")
+    return decode(frames[1:])

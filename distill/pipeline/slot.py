@@ -1,0 +1,94 @@
+"""The slot header: what makes a filled slot checkable by the student that owns it.
+
+Every slot of every medium starts with a fixed 64-byte header written by the worker
+*after* the payload (so a header that checks out means the payload before it is
+complete). The student clears the header before it asks for the slot to be filled,
+and accepts the slot only when magic, version, generation, request id and length
+are exactly what it asked for. A stale (old generation), foreign (other request)
+or torn (header not yet written) slot is never yielded.
+
+Byte layout of one slot (little endian)::
+
+    offset  size  field
+    0       4     magic        b"DSLT"
+    4       2     version      SLOT_VERSION
+    6       2     flags        bit 0: checksum present
+    8       8     generation   model generation the payload was made for
+    16      8     request_id   the student's id for this fill
+    24      8     payload_len  bytes of payload that follow the header
+    32      4     checksum     zlib.crc32 of the payload (when flag bit 0)
+    36      28    reserved     zero
+    64      ...   payload      payload_len bytes (the BatchConfig encoding)
+    ...           padding      up to the slot stride (a multiple of SLOT_ALIGN)
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+SLOT_MAGIC = b"DSLT"
+SLOT_VERSION = 1
+HEADER_BYTES = 64
+SLOT_ALIGN = 64
+FLAG_CHECKSUM = 1
+
+_HEADER = struct.Struct("<4sHHQQQI")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    generation: int
+    request_id: int
+    payload_len: int
+    checksum: int | None = None
+
+
+def slot_stride(payload_bytes: int) -> int:
+    """Bytes one slot takes for a payload of ``payload_bytes``: header + payload, aligned."""
+    raw = HEADER_BYTES + payload_bytes
+    return (raw + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def write_header(buf: memoryview, header: SlotHeader) -> None:
+    """Commit a slot: write the header (call after the payload is in place)."""
+    flags = 0 if header.checksum is None else FLAG_CHECKSUM
+    _HEADER.pack_into(buf, 0, SLOT_MAGIC, SLOT_VERSION, flags, header.generation,
+                      header.request_id, header.payload_len, header.checksum or 0)
+
+
+def clear_header(buf: memoryview) -> None:
+    """Invalidate a slot before asking for it to be filled again."""
+    buf[:HEADER_BYTES] = bytes(HEADER_BYTES)
+
+
+def read_header(buf: memoryview) -> SlotHeader | None:
+    """The header at the start of ``buf``, or None when the slot holds no valid header."""
+    magic, version, flags, generation, request_id, payload_len, checksum = _HEADER.unpack_from(buf, 0)
+    if magic != SLOT_MAGIC or version != SLOT_VERSION:
+        return None
+    return SlotHeader(generation, request_id, payload_len,
+                      checksum if flags & FLAG_CHECKSUM else None)
+
+
+def payload_checksum(payload: memoryview) -> int:
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def check_slot(buf: memoryview, generation: int, request_id: int, payload_len: int) -> str | None:
+    """Why the slot does not hold the asked-for sample, or None when it does."""
+    header = read_header(buf)
+    if header is None:
+        return "no valid header (slot not written or torn)"
+    if header.generation != generation:
+        return f"generation {header.generation} != {generation}"
+    if header.request_id != request_id:
+        return f"request id {header.request_id} != {request_id}"
+    if header.payload_len != payload_len:
+        return f"payload length {header.payload_len} != {payload_len}"
+    if header.checksum is not None:
+        actual = payload_checksum(buf[HEADER_BYTES:HEADER_BYTES + payload_len])
+        if actual != header.checksum:
+            return f"checksum {actual:#x} != {header.checksum:#x}"
+    return None

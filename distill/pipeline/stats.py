@@ -1,0 +1,60 @@
+"""Broker statistics: counters, peers and rates, as returned by STATS."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class RateMeter:
+    """Events per second over the last ``RATE_WINDOW_S`` seconds."""
+
+    _events: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def add(self, count: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._events.append((now, count))
+        self._trim(now)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return sum(c for _, c in self._events) / max(span, min(RATE_WINDOW_S, 1.0))
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > RATE_WINDOW_S:
+            self._events.popleft()
+
+
+@dataclass
+class BrokerStats:
+    """A snapshot of the broker's counters (all counts are slots, not messages)."""
+
+    queued: int = 0
+    in_flight: int = 0
+    requested: int = 0
+    dispatched: int = 0
+    completed: int = 0
+    discarded: int = 0
+    requeued: int = 0
+    failed: int = 0
+    refused: int = 0
+    bad_messages: int = 0
+    workers: int = 0
+    students: int = 0
+    runs: int = 0
+    completed_per_s: float = 0.0
+    requested_per_s: float = 0.0
+    uptime_s: float = 0.0
+    per_run: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,334 @@
+"""The worker: receives WORK (batches of slot addresses), fills the slots, says DONE.
+
+Two ways to make samples:
+
+- ``generator_fn(model_id, model_cfg) -> bytes`` — the seed README's per-sample
+  function; its bytes are copied into the slot.
+- ``batch_fn(model_id, model_cfg, targets)`` — the zero-copy path: one call per
+  batch, with one :class:`SlotTarget` per slot whose ``tensors`` (needs
+  ``batch_config``) or ``payload`` are writable views straight into the student's
+  memory. A teacher runs one forward and copies each sample's output in place.
+
+The worker drains every WORK already waiting on its socket (up to ``max_batch``
+slots of one model) before calling the generator, so small requests are batched.
+The payload is written first and the slot header last (see ``slot.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from distill.pipeline import protocol
+from distill.pipeline.batch import BatchConfig
+from distill.pipeline.endpoints import default_endpoint
+from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, Heartbeater
+from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
+from distill.pipeline.protocol import Command, Message, ProtocolError
+from distill.pipeline.slot import HEADER_BYTES, SlotHeader, payload_checksum, write_header
+
+log = logging.getLogger(__name__)
+
+GeneratorFn = Callable[[str, dict | None], bytes]
+MAX_ATTACHED_SEGMENTS = 256
+SEGMENT_RECHECK_S = 5.0
+
+
+@dataclass
+class SlotTarget:
+    """One slot to fill: writable views into the student's memory."""
+
+    request_id: int
+    generation: int
+    payload: memoryview
+    tensors: dict[str, torch.Tensor] | None
+
+
+BatchFn = Callable[[str, dict | None, list[SlotTarget]], None]
+
+
+@dataclass
+class _Item:
+    work_id: int
+    idx: int
+    medium: str
+    slot_idx: int
+    stride: int
+    request_id: int
+
+
+class Worker:
+    """Fills student slots on request (see module docstring)."""
+
+    def __init__(self, generator_fn: GeneratorFn | None = None, slot_size: int | None = None,
+                 backend_endpoint: str | None = None, control_pub_endpoint: str | None = None,
+                 worker_id: int | str | None = None, *, batch_fn: BatchFn | None = None,
+                 batch_config: BatchConfig | None = None, max_batch: int = 32,
+                 prefetch_batches: int = 2, checksum: bool = False,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+        if (generator_fn is None) == (batch_fn is None):
+            raise ValueError("Worker needs exactly one of generator_fn= (per sample) or batch_fn= (batched)")
+        if slot_size is None:
+            if batch_config is None:
+                raise ValueError("Worker needs slot_size= (bytes per sample) or batch_config=")
+            slot_size = batch_config.nbytes()
+        if batch_config is not None and batch_config.nbytes() != slot_size:
+            raise ValueError(f"slot_size {slot_size} != batch_config.nbytes() {batch_config.nbytes()}")
+        self.generator_fn = generator_fn
+        self.batch_fn = batch_fn
+        self.batch_config = batch_config
+        self.slot_size = slot_size
+        self.backend_endpoint = backend_endpoint or default_endpoint("backend")
+        self.control_pub_endpoint = control_pub_endpoint or default_endpoint("control_pub")
+        self.worker_id = worker_id if worker_id is not None else os.getpid()
+        self.peer_id = f"worker-{self.worker_id}-{os.urandom(3).hex()}"
+        self.max_batch = max_batch
+        self.capacity = max_batch * prefetch_batches
+        self.checksum = checksum
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_liveness = heartbeat_liveness
+        self._generation: dict[str, int] = {}
+        self._model_id: str | None = None
+        self._last_run = "default"
+        self._segments: OrderedDict[str, Any] = OrderedDict()
+        self._segments_checked = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.samples_written = 0
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def generation(self) -> int:
+        """Newest generation seen (of the last run served)."""
+        return self._generation.get(self._last_run, 0)
+
+    @property
+    def model_id(self) -> str | None:
+        return self._model_id
+
+    def run(self) -> None:
+        """Serve until STOP is published or :meth:`stop` is called (blocking)."""
+        ctx = zmq.Context()
+        sock = protocol.configure(ctx.socket(zmq.DEALER))
+        sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
+        sock.connect(self.backend_endpoint)
+        sub = protocol.configure(ctx.socket(zmq.SUB))
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.control_pub_endpoint)
+        heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker",
+                            interval_s=self.heartbeat_interval_s, liveness=self.heartbeat_liveness).start()
+        try:
+            self._serve(sock, sub, heart)
+        finally:
+            heart.stop()
+            protocol.send(sock, Command.BYE, {"peer_id": self.peer_id})
+            sock.close(linger=100)
+            sub.close(linger=0)
+            ctx.term()
+            self._close_segments()
+            log.info("worker %s stopped after %d samples", self.peer_id, self.samples_written)
+
+    def start(self) -> Worker:
+        self._thread = threading.Thread(target=self.run, name=f"worker-{self.worker_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ loop
+    def _serve(self, sock: zmq.Socket, sub: zmq.Socket, heart: Heartbeater) -> None:
+        self._ready(sock)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(self.heartbeat_interval_s * 1000))
+            if sub in events and self._on_published(sub):
+                return
+            if sock in events:
+                self._process(self._collect_work(sock), sock)
+            if heart.forgotten.is_set() or not heart.broker_alive:
+                self._rejoin(sock, heart)
+            self._maybe_drop_segments()
+
+    def _ready(self, sock: zmq.Socket) -> None:
+        protocol.send(sock, Command.READY, {"peer_id": self.peer_id, "credit": self.capacity,
+                                            "max_batch": self.max_batch})
+
+    def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
+        log.warning("worker %s: broker %s; registering again", self.peer_id,
+                    "forgot us" if heart.forgotten.is_set() else "silent")
+        heart.forgotten.clear()
+        heart.last_heard = time.monotonic()
+        self._ready(sock)
+
+    def _on_published(self, sub: zmq.Socket) -> bool:
+        """Apply a MODEL or STOP broadcast; True when the worker must stop."""
+        try:
+            msg = protocol.recv_published(sub)
+        except ProtocolError as exc:
+            log.warning("bad broadcast: %s", exc.reason)
+            return False
+        if msg.command is Command.STOP:
+            return msg.body.get("run_id") is None
+        if msg.command is Command.MODEL:
+            self._note_generation(msg.body["run_id"], msg.body["generation"], msg.body["model_id"])
+        return False
+
+    def _note_generation(self, run_id: str, generation: int, model_id: str) -> None:
+        if generation >= self._generation.get(run_id, 0):
+            self._generation[run_id] = generation
+            self._model_id = model_id
+            self._last_run = run_id
+
+    def _collect_work(self, sock: zmq.Socket) -> list[Message]:
+        """The WORK waiting on the socket, up to about ``max_batch`` slots."""
+        works, slots = [], 0
+        while slots < self.max_batch and sock.poll(0):
+            try:
+                msg = protocol.recv(sock)
+            except ProtocolError as exc:
+                log.warning("worker %s: refused message from broker: %s", self.peer_id, exc.reason)
+                continue
+            if msg.command is Command.WORK:
+                works.append(msg)
+                slots += len(msg.body["items"])
+            elif msg.command is Command.ERROR:
+                log.warning("broker error: %s", msg.body["reason"])
+        return works
+
+    # ------------------------------------------------------------------ filling
+    def _process(self, works: list[Message], sock: zmq.Socket) -> None:
+        for group in _group_by_model(works):
+            failed = self._fill_group(group)
+            for work in group:
+                body = work.body
+                protocol.send(sock, Command.DONE, {
+                    "peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
+                    "failed": sorted(failed.get(body["work_id"], {}).items()),
+                })
+
+    def _fill_group(self, group: list[Message]) -> dict[int, dict[int, str]]:
+        """Fill every slot of WORKs of one (run, generation, model). Returns failures."""
+        first = group[0].body
+        run_id, generation, model_id = first["run_id"], first["generation"], first["model_id"]
+        failed: dict[int, dict[int, str]] = {}
+        if generation < self._generation.get(run_id, 0):
+            for work in group:
+                failed[work.body["work_id"]] = dict.fromkeys(range(len(work.body["items"])), "stale")
+            return failed
+        self._note_generation(run_id, generation, model_id)
+        targets, items = [], []
+        for work in group:
+            for idx, (medium, slot_idx, stride, request_id) in enumerate(work.body["items"]):
+                item = _Item(work.body["work_id"], idx, medium, slot_idx, stride, request_id)
+                try:
+                    targets.append(self._target(item, generation))
+                    items.append(item)
+                except (OSError, ValueError, IndexError, PermissionError) as exc:
+                    log.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id, slot_idx,
+                                medium, exc)
+                    failed.setdefault(item.work_id, {})[idx] = f"bad address: {exc}"[:200]
+        if targets:
+            self._generate(model_id, first.get("model_cfg"), targets, items, failed)
+        return failed
+
+    def _target(self, item: _Item, generation: int) -> SlotTarget:
+        if item.stride < HEADER_BYTES + self.slot_size:
+            raise ValueError(f"stride {item.stride} < header + slot_size {HEADER_BYTES + self.slot_size}")
+        buf = self._segment(item.medium, item.stride)
+        start = item.slot_idx * item.stride
+        if start + item.stride > len(buf):
+            raise IndexError(f"slot {item.slot_idx} x stride {item.stride} is outside the "
+                             f"{len(buf)}-byte segment")
+        payload = buf[start + HEADER_BYTES:start + HEADER_BYTES + self.slot_size]
+        tensors = self.batch_config.decode(payload) if self.batch_config and self.batch_fn else None
+        return SlotTarget(item.request_id, generation, payload, tensors)
+
+    def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
+                  items: list[_Item], failed: dict[int, dict[int, str]]) -> None:
+        try:
+            if self.batch_fn is not None:
+                self.batch_fn(model_id, model_cfg, targets)
+                lengths = [self.slot_size] * len(targets)
+            else:
+                lengths = [self._generate_one(model_id, model_cfg, t) for t in targets]
+        except Exception as exc:  # a generator bug must not kill the worker
+            log.exception("worker %s: generator failed for model %s", self.peer_id, model_id)
+            for item in items:
+                failed.setdefault(item.work_id, {})[item.idx] = f"generator failed: {exc!r}"[:200]
+            return
+        for target, item, length in zip(targets, items, lengths, strict=True):
+            if length < 0:
+                failed.setdefault(item.work_id, {})[item.idx] = "sample larger than the slot"
+                continue
+            self._commit(target, item, length)
+
+    def _generate_one(self, model_id: str, model_cfg: dict | None, target: SlotTarget) -> int:
+        data = self.generator_fn(model_id, model_cfg)
+        if len(data) > len(target.payload):
+            log.error("generator returned %d bytes; slot_size is %d", len(data), len(target.payload))
+            return -1
+        target.payload[:len(data)] = data
+        return len(data)
+
+    def _commit(self, target: SlotTarget, item: _Item, length: int) -> None:
+        checksum = payload_checksum(target.payload[:length]) if self.checksum else None
+        buf = self._segments[item.medium]
+        start = item.slot_idx * item.stride
+        write_header(buf[start:start + HEADER_BYTES],
+                     SlotHeader(target.generation, target.request_id, length, checksum))
+        self.samples_written += 1
+
+    # ------------------------------------------------------------------ segments
+    def _segment(self, name: str, stride: int) -> memoryview:
+        view = self._segments.get(name)
+        if view is None:
+            mapping = attach_segment(name, stride)
+            view = memoryview(mapping)
+            self._segments[name] = view
+            while len(self._segments) > MAX_ATTACHED_SEGMENTS:
+                self._forget_segment(next(iter(self._segments)))
+        self._segments.move_to_end(name)
+        return view
+
+    def _maybe_drop_segments(self) -> None:
+        """Unmap segments whose owner unlinked them, so their memory can be freed."""
+        if time.monotonic() - self._segments_checked < SEGMENT_RECHECK_S:
+            return
+        self._segments_checked = time.monotonic()
+        for name in [n for n in self._segments if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            self._forget_segment(name)
+
+    def _forget_segment(self, name: str) -> None:
+        view = self._segments.pop(name)
+        mapping = view.obj
+        view.release()
+        with contextlib.suppress(BufferError):  # a tensor view is still alive: it keeps the map
+            mapping.close()
+
+    def _close_segments(self) -> None:
+        for name in list(self._segments):
+            self._forget_segment(name)
+
+
+def _group_by_model(works: list[Message]) -> list[list[Message]]:
+    groups: dict[tuple[str, int, str], list[Message]] = {}
+    for work in works:
+        b = work.body
+        groups.setdefault((b["run_id"], b["generation"], b["model_id"]), []).append(work)
+    return list(groups.values())
