@@ -70,6 +70,7 @@ class SlotPool:
         self.run_id = run_id
         self.payload_bytes = payload_bytes
         self.peer_id = new_peer_id(role)
+        self.source_id = int(self.peer_id.rsplit("-", 1)[1], 16)  # names this pool in sample metadata
         self._generation = generation
         self._note_generation = note_generation
         self.medium = SharedMemoryManager(slot_count, slot_stride(payload_bytes), read_only=True,

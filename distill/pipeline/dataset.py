@@ -14,6 +14,9 @@ Two modes:
 - ``batch_size=B``: yields ready-made batches ``{name: Tensor[B, ...]}``; each
   sample is copied exactly once, from its slot into the batch. Use
   ``DataLoader(dataset, batch_size=None)``. This is the fast path.
+
+``with_meta=True`` adds int64 tensors ``generation``, ``request_id`` and ``source``
+(which pool filled it) to every sample, so a consumer can check or filter them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 10.0
-META_KEYS = ("generation", "request_id")
+META_KEYS = ("generation", "request_id", "source")
 
 
 class DistillIterableDataset(IterableDataset):
@@ -125,7 +128,8 @@ class DistillIterableDataset(IterableDataset):
             sample = {name: view.clone() for name, view in views.items()}
             pool.release(slot)
             if self.with_meta:
-                sample.update(generation=torch.tensor(gen), request_id=torch.tensor(req))
+                sample.update(generation=torch.tensor(gen), request_id=torch.tensor(req),
+                              source=torch.tensor(pool.source_id))
             yield sample
 
     def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
@@ -149,5 +153,6 @@ class DistillIterableDataset(IterableDataset):
                 pool.release(slot)
             pool.flush()
             if self.with_meta:
-                batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs))
+                batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs),
+                             source=torch.full((len(slots),), pool.source_id))
             yield batch

@@ -46,6 +46,7 @@ class Heartbeater:
         self.broker_id: str | None = None  # the broker instance that answers us
         self.forgotten = threading.Event()  # broker answered RECONNECT, or restarted
         self._stop = threading.Event()
+        self._beats = 0
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{peer_id}", daemon=True)
 
     def start(self) -> Heartbeater:
@@ -66,7 +67,10 @@ class Heartbeater:
         sock = protocol.configure(ctx.socket(zmq.DEALER), hwm=10)
         sock.connect(self.endpoint)
         try:
-            while not self._stop.is_set():
+            # The first beat waits one interval, so the owner's own first message
+            # (READY, REQUEST) reaches the broker before the broker hears of us here.
+            while not self._stop.wait(0 if self._beats else self.interval_s):
+                self._beats += 1
                 protocol.send(sock, Command.HEARTBEAT, {"peer_id": self.peer_id, "role": self.role})
                 deadline = time.monotonic() + self.interval_s
                 while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():

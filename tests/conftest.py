@@ -1,0 +1,100 @@
+"""Fixtures shared by every test: private endpoints, bounded processes, shm hygiene."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from distill.pipeline.mediums.shm import list_segments
+
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shared_memory() -> Iterator[None]:
+    """Fail any test that leaves one of our segments in /dev/shm."""
+    before = set(list_segments())
+    yield
+    deadline = time.monotonic() + 5
+    while (leaked := set(list_segments()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)  # children may still be exiting
+    if leaked:
+        for name in leaked:
+            os.unlink(f"/dev/shm/{name}")
+        pytest.fail(f"test leaked shared memory segments: {sorted(leaked)}")
+
+
+@pytest.fixture
+def endpoints(tmp_path: Path) -> dict[str, str]:
+    """Fresh ipc endpoints in a private temp directory (never fixed ports)."""
+    sock_dir = tmp_path / "sock"
+    sock_dir.mkdir(mode=0o700)
+    return {name: f"ipc://{sock_dir}/{name}.sock"
+            for name in ("frontend", "backend", "control", "control_pub")}
+
+
+@pytest.fixture
+def broker_kwargs(endpoints: dict[str, str]) -> dict[str, str]:
+    return {f"{name}_endpoint": ep for name, ep in endpoints.items()}
+
+
+class Procs:
+    """Starts processes with a time bound; kills leftovers; checks exit codes."""
+
+    def __init__(self) -> None:
+        self.procs: list[mp.Process] = []
+
+    def start(self, target: Callable, *args: object, name: str | None = None,
+              **kwargs: object) -> mp.Process:
+        proc = SPAWN.Process(target=target, args=args, kwargs=kwargs, name=name)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def join(self, proc: mp.Process, timeout_s: float, expect_code: int | None = 0) -> None:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+            pytest.fail(f"process {proc.name} did not finish in {timeout_s}s")
+        if expect_code is not None:
+            assert proc.exitcode == expect_code, f"{proc.name} exited with {proc.exitcode}"
+
+    def collect(self, queue: mp.Queue, count: int, watched: list[mp.Process], timeout_s: float) -> list:
+        """``count`` results from ``queue``; fails fast when a watched process dies badly."""
+        import queue as queue_mod
+
+        results, deadline = [], time.monotonic() + timeout_s
+        while len(results) < count:
+            if time.monotonic() > deadline:
+                pytest.fail(f"got {len(results)}/{count} results in {timeout_s}s")
+            try:
+                results.append(queue.get(timeout=0.5))
+            except queue_mod.Empty:
+                dead = [p for p in watched if p.exitcode not in (None, 0)]
+                if dead:
+                    pytest.fail(f"{dead[0].name} died with exit code {dead[0].exitcode}")
+        return results
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process ignores SIGTERM
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    helper = Procs()
+    yield helper
+    helper.kill_all()

@@ -1,0 +1,98 @@
+"""Process entry points for multi-process tests (module-level so spawn can import them).
+
+Payloads are derived from the request they answer, so a consumer can verify every
+byte it is handed: ``expected_payload(request_id, generation)``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from distill.pipeline import BatchConfig, Broker, SlotTarget, TensorSpec, Worker, setup_logging
+
+PAYLOAD_FLOATS = 256
+
+
+def batch_config(floats: int = PAYLOAD_FLOATS) -> BatchConfig:
+    return BatchConfig([TensorSpec("x", (floats,), "float32"), TensorSpec("tag", (2,), "int64")])
+
+
+def expected_x(request_id: int, generation: int, floats: int = PAYLOAD_FLOATS) -> torch.Tensor:
+    base = float((request_id * 7919 + generation * 104729) % 1_000_003)
+    return torch.arange(floats, dtype=torch.float32) + base
+
+
+def fill_targets(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+    """The zero-copy batch function: writes a request-derived payload into each slot."""
+    delay = float((model_cfg or {}).get("delay_s", 0.0))
+    if delay:
+        time.sleep(delay)
+    for target in targets:
+        floats = target.tensors["x"].numel()
+        target.tensors["x"].copy_(expected_x(target.request_id, target.generation, floats))
+        target.tensors["tag"].copy_(torch.tensor([target.request_id, target.generation]))
+
+
+def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> None:
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    Broker(**{f"{k}_endpoint": v for k, v in endpoints.items()},
+           heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def run_worker(endpoints: dict[str, str], floats: int = PAYLOAD_FLOATS, max_batch: int = 16,
+               heartbeat_interval_s: float = 0.2) -> None:
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    Worker(batch_fn=fill_targets, batch_config=batch_config(floats), max_batch=max_batch,
+           backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+           heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results, *,
+                leader: bool, batch_size: int | None, num_workers: int = 2,
+                slot_count: int = 32) -> None:
+    """Consume ``num_samples`` verified samples through a DataLoader; report counts."""
+    from torch.utils.data import DataLoader
+
+    from distill.pipeline import DistillIterableDataset, StudentClient
+
+    setup_logging("WARNING")
+    config = batch_config()
+    with StudentClient(rank, 4, config, endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"]) as client:
+        client.hello()
+        if leader:
+            client.set_model("m0")
+        else:
+            client.start_sub_listener()
+            client.wait_generation(1)
+        dataset = DistillIterableDataset(rank, client.generation_value, slot_count, config,
+                                         endpoints["frontend"], batch_size=batch_size, with_meta=True,
+                                         timeout_s=60)
+        loader = DataLoader(dataset, batch_size=None if batch_size else 8, num_workers=num_workers)
+        seen: set[tuple[int, int]] = set()
+        corrupt = duplicates = 0
+        for batch in loader:
+            for x, tag, gen, req, src in zip(batch["x"], batch["tag"], batch["generation"],
+                                             batch["request_id"], batch["source"], strict=True):
+                key = (int(src), int(req))
+                duplicates += key in seen
+                seen.add(key)
+                ok = torch.equal(x, expected_x(int(req), int(gen))) and tag.tolist() == [int(req), int(gen)]
+                corrupt += not ok
+            if len(seen) >= num_samples:
+                break
+        per_source: dict[int, list[int]] = {}
+        for src, req in seen:
+            per_source.setdefault(src, []).append(req)
+        # Request ids of a pool are consecutive: a gap not explained by slots still
+        # in flight at the end would be a lost sample.
+        gaps = sum(max(reqs) - len(reqs) for reqs in per_source.values())
+        results.put({"rank": rank, "samples": len(seen), "corrupt": corrupt, "duplicates": duplicates,
+                     "gaps": gaps, "sources": len(per_source)})
+        del loader

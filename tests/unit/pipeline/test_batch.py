@@ -1,0 +1,89 @@
+"""BatchConfig / TensorSpec: the seed README's API and a round trip for every dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from distill.pipeline import DTYPES, BatchConfig, TensorSpec
+
+
+def test_readme_nbytes() -> None:
+    config = BatchConfig([
+        TensorSpec("hidden", (512, 768), "bfloat16"),
+        TensorSpec("labels", (512,), "int64"),
+    ])
+    assert config.nbytes() == 790528
+    assert config.tensor_names == ["hidden", "labels"]
+    assert config.get_spec("hidden").torch_dtype == torch.bfloat16
+    assert config.get_spec("labels").nbytes == 4096
+
+
+def test_all_ten_dtypes_round_trip() -> None:
+    assert len(DTYPES) == 10
+    specs = [TensorSpec(name, (3, 5), name) for name in DTYPES]
+    config = BatchConfig(specs)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for spec in specs:
+        if spec.torch_dtype.is_floating_point:
+            tensors[spec.name] = torch.randn(3, 5, generator=gen).to(spec.torch_dtype)
+        elif spec.torch_dtype == torch.bool:
+            tensors[spec.name] = torch.rand(3, 5, generator=gen) > 0.5
+        else:
+            tensors[spec.name] = torch.randint(0, 100, (3, 5), generator=gen).to(spec.torch_dtype)
+    data = config.encode(**tensors)
+    assert len(data) == config.nbytes()
+    decoded = config.decode(data)
+    for name, tensor in tensors.items():
+        assert decoded[name].dtype == tensor.dtype
+        assert torch.equal(decoded[name], tensor)
+        assert torch.equal(config.decode_single(data, name), tensor)
+
+
+def test_decode_is_a_view_of_writable_buffers() -> None:
+    config = BatchConfig([TensorSpec("x", (4,), "float32")])
+    buf = bytearray(config.nbytes())
+    view = config.decode(memoryview(buf))["x"]
+    view.fill_(2.5)
+    assert config.decode(bytes(buf))["x"].tolist() == [2.5] * 4
+
+
+def test_write_checks_names_and_shapes() -> None:
+    config = BatchConfig([TensorSpec("x", (4,), "float32")])
+    buf = bytearray(config.nbytes())
+    with pytest.raises(ValueError, match="missing"):
+        config.write(buf, y=torch.zeros(4))
+    with pytest.raises(ValueError, match="shape"):
+        config.write(buf, x=torch.zeros(5))
+
+
+def test_bad_specs_are_refused() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        TensorSpec("x", (1,), "complex64")
+    with pytest.raises(ValueError, match="duplicate"):
+        BatchConfig([TensorSpec("x", (1,), "int8"), TensorSpec("x", (2,), "int8")])
+    with pytest.raises(ValueError, match="shorter"):
+        BatchConfig([TensorSpec("x", (8,), "int8")]).decode(b"1234")
+
+
+def test_from_dict_and_yaml(tmp_path) -> None:
+    spec = {"specs": [{"name": "x", "shape": [512, 768], "dtype": "bfloat16"},
+                      {"name": "y", "shape": [512, 768], "dtype": "bfloat16"}]}
+    config = BatchConfig.from_dict(spec)
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(spec))
+    assert BatchConfig.from_yaml(path) == config
+    assert config.nbytes() == 2 * 512 * 768 * 2
+
+
+def test_hydra_instantiate() -> None:
+    cfg = OmegaConf.create({"batch_config": {
+        "_target_": "distill.pipeline.BatchConfig",
+        "specs": [{"name": "x", "shape": [512, 768], "dtype": "bfloat16"}],
+    }})
+    config = instantiate(cfg.batch_config)
+    assert isinstance(config, BatchConfig)
+    assert config.get_spec("x").shape == (512, 768)
