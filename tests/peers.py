@@ -11,6 +11,7 @@ import signal
 import time
 
 import torch
+import torch.utils.data
 
 from distill.pipeline import BatchConfig, Broker, SlotTarget, TensorSpec, Worker, setup_logging
 
@@ -96,3 +97,68 @@ def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results,
         results.put({"rank": rank, "samples": len(seen), "corrupt": corrupt, "duplicates": duplicates,
                      "gaps": gaps, "sources": len(per_source)})
         del loader
+
+
+class FloorCheckingDataset(torch.utils.data.IterableDataset):
+    """Wraps a DistillIterableDataset: reads the shared generation *before* asking for
+    each item and attaches it as ``floor``; an item older than its floor was yielded
+    after a newer generation had been published to this process."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __iter__(self):
+        it = iter(self.inner)
+        while True:
+            floor = self.inner.generation_value.value
+            item = next(it)
+            item["floor"] = torch.tensor(floor)
+            yield item
+
+
+def run_switch_rank(rank: int, world: int, init_file: str, endpoints: dict[str, str], switches: int,
+                    results) -> None:
+    """A DDP rank that switches the model ``switches`` times under load (rank 0 leads)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from distill.pipeline import DistillIterableDataset, StudentClient
+
+    setup_logging("WARNING")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    config = batch_config()
+    client = StudentClient(rank, 4, config, endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"])
+    client.hello()
+    if rank != 0:
+        client.start_sub_listener()
+    inner = DistillIterableDataset(rank, client.generation_value, 24, config, endpoints["frontend"],
+                                   batch_size=8, with_meta=True, timeout_s=60)
+    loader = iter(DataLoader(FloorCheckingDataset(inner), batch_size=None, num_workers=2))
+    violations = corrupt = prefetched_stale = 0
+    for switch in range(switches):
+        gen = torch.tensor([0])
+        if rank == 0:
+            gen[0] = client.set_model(f"layer_{switch}", {"delay_s": 0.003})
+        dist.broadcast(gen, src=0)
+        generation = int(gen[0])
+        if rank != 0:
+            client.wait_generation(generation)
+        assert client.generation >= generation
+        current = 0
+        while current < 3:  # no slot stays stuck: the new generation keeps arriving
+            batch = next(loader)
+            violations += int((batch["generation"] < batch["floor"]).sum())
+            for x, req, g in zip(batch["x"], batch["request_id"], batch["generation"], strict=True):
+                corrupt += not torch.equal(x, expected_x(int(req), int(g)))
+            if bool((batch["generation"] == generation).all()):
+                current += 1
+            elif bool((batch["generation"] < generation).any()):
+                prefetched_stale += 1  # yielded before the switch, still in the DataLoader queue
+        dist.barrier()
+    results.put({"rank": rank, "violations": violations, "corrupt": corrupt,
+                 "prefetched_stale": prefetched_stale, "generation": client.generation})
+    del loader
+    client.close()
+    dist.destroy_process_group()

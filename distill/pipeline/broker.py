@@ -235,6 +235,7 @@ class Broker:
             (b, Command.DONE): self._on_done,
             (b, Command.HEARTBEAT): self._on_worker_heartbeat,
             (b, Command.BYE): self._on_worker_bye,
+            (b, Command.ERROR): self._on_worker_error,
             (c, Command.SET_MODEL): self._on_set_model,
             (c, Command.STOP): self._on_stop,
             (c, Command.STATS): lambda ident, body: self._on_stats(self._control, ident, body),
@@ -363,6 +364,9 @@ class Broker:
         if peer is not None:
             log.info("worker %s left", peer.peer_id)
             self._requeue(peer)
+
+    def _on_worker_error(self, identity: bytes, body: dict) -> None:
+        log.warning("worker %r refused a message: %s", identity[:32], body["reason"])
 
     def _on_done(self, identity: bytes, body: dict) -> None:
         peer = self._workers.get(body["peer_id"])

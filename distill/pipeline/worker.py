@@ -203,12 +203,17 @@ class Worker:
                 msg = protocol.recv(sock)
             except ProtocolError as exc:
                 log.warning("worker %s: refused message from broker: %s", self.peer_id, exc.reason)
+                protocol.send(sock, Command.ERROR, {"reason": exc.reason[:protocol.MAX_STRING_CHARS]})
                 continue
             if msg.command is Command.WORK:
                 works.append(msg)
                 slots += len(msg.body["items"])
             elif msg.command is Command.ERROR:
                 log.warning("broker error: %s", msg.body["reason"])
+            else:
+                reason = f"command {msg.command.name} not accepted by a worker"
+                log.warning("worker %s: %s", self.peer_id, reason)
+                protocol.send(sock, Command.ERROR, {"reason": reason, "command": msg.command.name})
         return works
 
     # ------------------------------------------------------------------ filling
@@ -219,7 +224,7 @@ class Worker:
                 body = work.body
                 protocol.send(sock, Command.DONE, {
                     "peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
-                    "failed": sorted(failed.get(body["work_id"], {}).items()),
+                    "failed": [[idx, why] for idx, why in sorted(failed.get(body["work_id"], {}).items())],
                 })
 
     def _fill_group(self, group: list[Message]) -> dict[int, dict[int, str]]:
