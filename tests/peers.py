@@ -93,7 +93,7 @@ def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results,
             per_source.setdefault(src, []).append(req)
         # Request ids of a pool are consecutive: a gap not explained by slots still
         # in flight at the end would be a lost sample.
-        gaps = sum(max(reqs) - len(reqs) for reqs in per_source.values())
+        gaps = sum(max(reqs) - min(reqs) + 1 - len(reqs) for reqs in per_source.values())
         results.put({"rank": rank, "samples": len(seen), "corrupt": corrupt, "duplicates": duplicates,
                      "gaps": gaps, "sources": len(per_source)})
         del loader

@@ -1,0 +1,74 @@
+"""Start-up checks that a schema cannot express, each naming the key and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import DictConfig
+
+from distill.pipeline.mediums.shm import check_shm_space
+from distill.pipeline.slot import slot_stride
+from distill.stages import max_positions, plan_stages, sample_batch_config
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LOSSES = ("nmse", "cosine")
+SOURCES = ("pydoc", "text", "hf_dataset")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Fail fast, before any process starts, on settings that cannot work."""
+    _check_choices(cfg)
+    num_layers, hidden = _teacher_shape(cfg)
+    stages = plan_stages(num_layers, cfg.student.layers, cfg.student.layers_per_stage)
+    if cfg.mode in ("student", "local"):
+        _check_shm(cfg, max_positions(stages), hidden)
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    if cfg.teacher.dtype not in DTYPE_NAMES:
+        raise ValueError(f"teacher.dtype={cfg.teacher.dtype!r}: choose one of {DTYPE_NAMES}")
+    if cfg.student.loss not in LOSSES:
+        raise ValueError(f"student.loss={cfg.student.loss!r}: choose one of {LOSSES}")
+    if cfg.data.source not in SOURCES:
+        raise ValueError(f"data.source={cfg.data.source!r}: choose one of {SOURCES}")
+    if cfg.student.micro_batch_size > cfg.pipeline.slot_count:
+        raise ValueError(f"student.micro_batch_size={cfg.student.micro_batch_size} > pipeline.slot_count="
+                         f"{cfg.pipeline.slot_count}: raise pipeline.slot_count or lower the batch")
+    for key in ("steps_per_stage", "micro_batch_size", "grad_accum_steps"):
+        if cfg.student[key] < 1:
+            raise ValueError(f"student.{key}={cfg.student[key]} must be >= 1")
+
+
+def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
+    """(num_layers, hidden_size) without loading weights."""
+    name = cfg.teacher.name_or_path
+    if not name:
+        return cfg.teacher.tiny.num_layers, cfg.teacher.tiny.hidden_size
+    path = os.path.expanduser(str(name))
+    looks_local = path.startswith(("/", ".", "~")) or os.sep in path and path.count("/") != 1
+    if looks_local and not os.path.exists(path):
+        raise ValueError(f"teacher.name_or_path={name!r} does not exist; give a model directory "
+                         "(with config.json) or a hub name such as Qwen/Qwen2-0.5B")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(name)).to_dict()
+    else:
+        with open(config_file) as f:
+            config = json.load(f)
+    layers = config.get("num_hidden_layers") or config.get("n_layer")
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    if not layers or not hidden:
+        raise ValueError(f"teacher.name_or_path={name!r}: config.json has no num_hidden_layers/hidden_size")
+    return int(layers), int(hidden)
+
+
+def _check_shm(cfg: DictConfig, positions: int, hidden: int) -> None:
+    sample = sample_batch_config(positions, cfg.data.seq_len, hidden, cfg.teacher.dtype).nbytes()
+    pools_per_rank = max(1, cfg.student.loader_workers)
+    ranks = cfg.local.num_students if cfg.mode == "local" else 1
+    need = slot_stride(sample) * cfg.pipeline.slot_count * pools_per_rank * ranks
+    check_shm_space(need, what=f"{ranks} rank(s) x {pools_per_rank} loader(s) x pipeline.slot_count="
+                               f"{cfg.pipeline.slot_count} slots of {sample / 2**20:.1f} MiB")

@@ -1,0 +1,84 @@
+"""After the last stage (leader only): assemble, export, evaluate and report.
+
+Also names a run's checkpoint directory by what shapes its result, so that
+rerunning the same command finds and resumes the same checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig, OmegaConf
+
+from distill import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from distill.student import StudentContext
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_KEYS = ("teacher", "replacement", "data", "student")
+
+
+def config_fingerprint(cfg: DictConfig, teacher_source: str) -> str:
+    """``<replacement>-<hash>`` of the settings that decide the trained weights."""
+    keep = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FINGERPRINT_KEYS}
+    keep["teacher_source"] = teacher_source
+    digest = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    target = str(cfg.replacement.get("_target_", "replacement")).rsplit(".", 1)[-1]
+    return f"{target}-{digest}"
+
+
+def finish_run(ctx: StudentContext) -> None:
+    """Rebuild every trained replacement from its stage file, export, evaluate, report."""
+    from distill.assemble import export_student
+    from distill.evaluate import evaluate
+    from distill.replacements import describe
+    from distill.report import read_metrics, write_report
+    from distill.sources import load_tokenizer, teacher_source
+    from distill.student import build_replacement
+
+    cfg, teacher = ctx.cfg, ctx.teacher
+    replacements, cfgs = {}, {}
+    for stage in ctx.stages:
+        from distill.student import StageModule
+
+        module = StageModule({layer: build_replacement(cfg, teacher, layer) for layer in stage.layers})
+        ckpt.load_stage_weights(ctx.checkpoint_dir, stage.index, module)
+        for layer in stage.layers:
+            replacements[layer] = module.blocks[str(layer)].eval()
+            cfgs[layer] = OmegaConf.to_container(cfg.replacement, resolve=True)
+    out = export_student(teacher, teacher_source(cfg), replacements, cfgs, str(ctx.out_dir / "student"),
+                         tokenizer=load_tokenizer(cfg))
+    log.info("student exported to %s  (load it: from distill import load_student; "
+             "model = load_student(%r))", out, out)
+    rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
+    summary = {"teacher": teacher_source(cfg), "replacement": cfgs[min(cfgs)].get("_target_"),
+               "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
+               "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size}
+    result = None
+    if cfg.evaluate and len(ctx.heldout_NT):
+        started = time.monotonic()
+        result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
+        ctx.timings["evaluate_s"] = time.monotonic() - started
+        log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
+    metrics = read_metrics(str(ctx.out_dir / "metrics.jsonl"))
+    report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
+                          ctx.timings)
+    (ctx.out_dir / "result.json").write_text(json.dumps({
+        "summary": summary, "eval": result.to_dict() if result else None,
+        "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
+        "final_val": _final_val(metrics)}, indent=2, default=str))
+    log.info("report written to %s", report)
+
+
+def _final_val(metrics: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for record in metrics:
+        if record.get("event") == "stage_end":
+            out.update(record.get("val", {}))
+    return out

@@ -1,0 +1,71 @@
+"""What every mode needs from the config: endpoints, run id, logging, signals."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from distill.pipeline import setup_logging
+from distill.pipeline.endpoints import SOCKET_NAMES, default_endpoint, runtime_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUN_ID = "default"
+
+
+def endpoints(cfg: DictConfig) -> dict[str, str]:
+    """The four broker endpoints for ``pipeline.socket_dir`` (ipc, one machine)."""
+    directory = cfg.pipeline.socket_dir or runtime_dir()
+    return {name: default_endpoint(name, directory) for name in SOCKET_NAMES}
+
+
+def endpoint_kwargs(cfg: DictConfig) -> dict[str, str]:
+    return {f"{name}_endpoint": ep for name, ep in endpoints(cfg).items()}
+
+
+def run_id(cfg: DictConfig) -> str:
+    return cfg.run_id or DEFAULT_RUN_ID
+
+
+def configure_logging(cfg: DictConfig) -> None:
+    """Hydra already installed handlers; set our level and quiet chatty libraries."""
+    setup_logging(cfg.log_level)
+    for name in ("transformers", "datasets", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so context managers and finalizers clean up (shm, sockets)."""
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def die_with_parent() -> None:
+    """Linux: ask the kernel to SIGTERM us when our parent dies (no orphans after kill -9)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def is_leader() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run_dir() -> Path:
+    """The Hydra run directory of this job (cwd is not changed: hydra.job.chdir=False)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)

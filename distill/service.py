@@ -1,0 +1,63 @@
+"""mode=broker and mode=stats: run the broker; watch its counters live."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+from omegaconf import DictConfig
+
+from distill.pipeline import Broker, protocol
+from distill.pipeline.mediums.shm import sweep_orphans
+from distill.pipeline.protocol import Command
+from distill.runtime import configure_logging, endpoint_kwargs, endpoints, exit_on_sigterm
+
+log = logging.getLogger(__name__)
+
+STATS_COLUMNS = ("workers", "students", "queued", "in_flight", "completed", "discarded", "requeued",
+                 "failed", "completed_per_s")
+
+
+def run_broker(cfg: DictConfig) -> None:
+    """Serve until killed (Ctrl-C or SIGTERM)."""
+    configure_logging(cfg)
+    exit_on_sigterm()
+    sweep_orphans()
+    broker = Broker(**endpoint_kwargs(cfg), heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
+                    heartbeat_liveness=cfg.pipeline.heartbeat_liveness)
+    try:
+        broker.run()
+    except KeyboardInterrupt:
+        log.info("broker interrupted")
+
+
+def fetch_stats(frontend_endpoint: str, timeout_ms: int = 2000) -> dict | None:
+    """One STATS round trip; None when the broker does not answer."""
+    sock = protocol.configure(zmq.Context.instance().socket(zmq.DEALER))
+    sock.connect(frontend_endpoint)
+    try:
+        protocol.send(sock, Command.STATS, {})
+        if not sock.poll(timeout_ms):
+            return None
+        return protocol.recv(sock).body["stats"]
+    finally:
+        sock.close(linger=0)
+
+
+def format_stats(stats: dict) -> str:
+    return "  ".join(f"{key}={stats[key]:.1f}" if isinstance(stats[key], float) else f"{key}={stats[key]}"
+                     for key in STATS_COLUMNS)
+
+
+def run_stats(cfg: DictConfig) -> None:
+    """Print the broker's counters every ``stats_interval_s`` until Ctrl-C."""
+    configure_logging(cfg)
+    frontend = endpoints(cfg)["frontend"]
+    try:
+        while True:
+            stats = fetch_stats(frontend)
+            print(format_stats(stats) if stats else f"no answer from {frontend}", flush=True)
+            time.sleep(cfg.stats_interval_s)
+    except KeyboardInterrupt:
+        pass

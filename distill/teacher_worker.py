@@ -1,0 +1,79 @@
+"""mode=worker: a teacher that fills students' slots with per-layer targets.
+
+For a stage (model_cfg ``{"layers": [...]}``) each request id picks a training
+chunk; the worker runs ONE batched forward over all chunks of the WORK it holds,
+stopping after the last target layer, and copies each sample's boundary hidden
+states straight into its slot (one copy, no intermediate bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig
+
+from distill.data import sample_indices
+from distill.pipeline import SlotTarget, Worker
+from distill.runtime import configure_logging, endpoints, exit_on_sigterm
+from distill.sources import load_chunks, load_teacher, load_tokenizer
+from distill.stages import Stage, plan_stages, sample_batch_config
+from distill.teacher import Teacher
+
+log = logging.getLogger(__name__)
+
+
+class TeacherTargets:
+    """The worker's batch function: chunks -> truncated teacher forward -> slots."""
+
+    def __init__(self, teacher: Teacher, train_NT: torch.Tensor, seed: int) -> None:
+        self.teacher = teacher
+        self.train_NT = train_NT
+        self.seed = seed
+        self.samples = 0
+
+    def __call__(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        stage = Stage(int((model_cfg or {}).get("stage", 0)), tuple((model_cfg or {})["layers"]))
+        rows = sample_indices(len(self.train_NT), [t.request_id for t in targets], self.seed)
+        input_ids_BT = self.train_NT[rows]
+        captured = self.teacher.capture(input_ids_BT, list(stage.layers))
+        states = [_state_at(captured, p).to("cpu", non_blocking=False) for p in stage.positions]
+        for i, target in enumerate(targets):
+            out = target.tensors
+            out["input_ids"].copy_(input_ids_BT[i])
+            hidden = out["hidden"]
+            for j, state_BTD in enumerate(states):
+                hidden[j].copy_(state_BTD[i])
+        self.samples += len(targets)
+
+
+def _state_at(captured: dict[int, tuple[torch.Tensor, torch.Tensor]], position: int) -> torch.Tensor:
+    """Hidden state at a boundary: input of layer p, or else output of layer p-1."""
+    if position in captured:
+        return captured[position][0]
+    return captured[position - 1][1]
+
+
+def build_worker(cfg: DictConfig) -> Worker:
+    device = f"cuda:{cfg.device.worker_gpu}" if cfg.device.worker_gpu is not None else "cpu"
+    teacher = load_teacher(cfg, device)
+    chunks = load_chunks(cfg, load_tokenizer(cfg))
+    stages = plan_stages(teacher.num_layers, cfg.student.layers, cfg.student.layers_per_stage)
+    positions = max(len(s.positions) for s in stages)
+    batch_config = sample_batch_config(positions, cfg.data.seq_len, teacher.hidden_size, cfg.teacher.dtype)
+    eps = endpoints(cfg)
+    return Worker(batch_fn=TeacherTargets(teacher, chunks.train_NT, cfg.data.seed), batch_config=batch_config,
+                  backend_endpoint=eps["backend"], control_pub_endpoint=eps["control_pub"],
+                  max_batch=cfg.pipeline.worker_max_batch,
+                  heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
+                  heartbeat_liveness=cfg.pipeline.heartbeat_liveness)
+
+
+def run_worker(cfg: DictConfig) -> None:
+    """Serve teacher targets until the broker publishes STOP."""
+    configure_logging(cfg)
+    exit_on_sigterm()
+    worker = build_worker(cfg)
+    log.info("teacher worker ready (%d-byte samples, batches of up to %d)", worker.slot_size,
+             worker.max_batch)
+    worker.run()
