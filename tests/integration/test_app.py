@@ -1,0 +1,162 @@
+"""End to end through the CLI: mode=local starts a broker, 2 teacher workers and 2 gloo DDP
+ranks as real processes; resume after kill -9; export, reload, evaluate; clean teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+RUN_TIMEOUT_S = 300
+
+
+def _tiny(tmp_path: Path, layers: int = 3) -> list[str]:
+    return [
+        f"teacher.tiny.num_layers={layers}", "teacher.tiny.hidden_size=32", "teacher.tiny.num_heads=2",
+        "teacher.tiny.vocab_size=300", "teacher.tiny.train_steps=30", f"teacher.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=32", "data.max_heldout_chunks=8", "student.micro_batch_size=4",
+        "student.log_every_steps=2", "pipeline.slot_count=8", "pipeline.heartbeat_interval_s=0.5",
+        "local.num_workers=2", "local.num_students=2", "log_level=INFO",
+    ]
+
+
+def _cmd(overrides: list[str], run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "distill", "mode=local", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def _run(overrides: list[str], run_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(_cmd(overrides, run_dir), cwd=cwd, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S, env=_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _procs_with(marker: str) -> list[int]:
+    """Pids whose command line mentions ``marker`` (our run id)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _wait_gone(marker: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (left := _procs_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"orphan processes of {marker}: {left}"
+
+
+def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"run ended (code {proc.returncode}) before {what}: {proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    overrides = [*_tiny(tmp_path), "run_id=e2ellama", "student.steps_per_stage=120",
+                 "student.checkpoint_every_steps=10", f"checkpoint_dir={ckpt}"]
+    first = subprocess.Popen(_cmd(overrides, tmp_path / "run1"), cwd=tmp_path, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        state = ckpt / "current" / "state.json"
+
+        def mid_stage_1() -> bool:
+            return state.exists() and json.loads(state.read_text()).get("stage") == 1
+
+        _wait_for(mid_stage_1, RUN_TIMEOUT_S, "a checkpoint inside stage 1", first)
+        ranks = [pid for pid in _procs_with("e2ellama") if _is_rank(pid)]
+        assert ranks, "no student rank found"
+        os.kill(ranks[-1], signal.SIGKILL)
+        first.wait(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode != 0
+    _wait_gone("e2ellama")
+    killed_at = json.loads(state.read_text())["step"]
+
+    second = _run(overrides, tmp_path / "run2", tmp_path)
+    log = second.stdout + second.stderr
+    assert "stage 0 (layers [0]) already trained: skipping" in log
+    assert f"stage 1: resumed at step {killed_at}" in log
+    _wait_gone("e2ellama")
+
+    run2 = tmp_path / "run2"
+    metrics = [json.loads(line) for line in (run2 / "metrics.jsonl").read_text().splitlines()]
+    stage_ends = {m["stage"] for m in metrics if m["event"] == "stage_end"}
+    assert stage_ends == {1, 2}  # stage 0 was not retrained
+    assert (run2 / "report.md").exists() and (run2 / "losses.png").exists()
+    result = json.loads((run2 / "result.json").read_text())
+    assert result["eval"]["kind"] == "lm" and result["eval"]["student"] > 0
+
+    from distill import load_student
+
+    model = load_student(str(run2 / "student"))
+    ids = torch.randint(0, 300, (1, 8))
+    assert model(ids).logits.shape == (1, 8, model.config.vocab_size)
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 11)
+
+
+def _is_rank(pid: int) -> bool:
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    environ = Path(f"/proc/{pid}/environ").read_bytes() if Path(f"/proc/{pid}/environ").exists() else b""
+    return b"mode=student" in cmdline and b"torch.distributed.run" not in cmdline and b"LOCAL_RANK=" in environ
+
+
+def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
+    overrides = [*_tiny(tmp_path, layers=2), "teacher=tiny_bert", "teacher.tiny.hidden_size=32",
+                 "replacement=linear_attention", "run_id=e2ebert", "student.steps_per_stage=10",
+                 "student.layers_per_stage=2", f"checkpoint_dir={tmp_path / 'ckpt'}"]
+    _run(overrides, tmp_path / "run", tmp_path)
+    _wait_gone("e2ebert")
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["eval"]["kind"] == "encoder"
+    assert 0 < result["eval"]["student"] <= 1.0
+    assert set(result["eval"]["per_layer"]) == {"0", "1"}
+
+
+@pytest.mark.parametrize("fault", ["sigint", "worker_dies"])
+def test_local_tears_everything_down(tmp_path: Path, fault: str) -> None:
+    marker = f"e2e{fault.replace('_', '')}"
+    overrides = [*_tiny(tmp_path), f"run_id={marker}", "student.steps_per_stage=100000",
+                 f"checkpoint_dir={tmp_path / 'ckpt'}"]
+    proc = subprocess.Popen(_cmd(overrides, tmp_path / "run"), cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, RUN_TIMEOUT_S, "training", proc)
+        if fault == "sigint":
+            proc.send_signal(signal.SIGINT)
+        else:
+            workers = [p for p in _procs_with(marker)
+                       if b"mode=worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            os.kill(workers[0], signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    _wait_gone(marker)

@@ -1,0 +1,78 @@
+"""Every config file composes; the MODES table matches conf/mode; bad settings fail early."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from distill.__main__ import MODES
+from distill.checks import check_config
+from distill.config import CONF_DIR, register_configs
+
+GROUPS = ["mode", "teacher", "replacement", "data", "pipeline", "device", "student"]
+REQUIRED = {"teacher/hf": ["teacher.name_or_path=/tmp"], "data/text": ["data.path=/tmp/*.txt"],
+            "data/hf_dataset": ["data.dataset_name=x"]}
+
+
+def _compose(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _options() -> list[tuple[str, str]]:
+    return [(group, path.stem) for group in GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize(("group", "option"), _options())
+def test_every_option_file_composes(group: str, option: str) -> None:
+    cfg = _compose([f"{group}={option}", *REQUIRED.get(f"{group}/{option}", [])])
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def test_modes_table_matches_mode_files() -> None:
+    assert set(MODES) == {p.stem for p in (CONF_DIR / "mode").glob("*.yaml")}
+
+
+def test_top_level_conf_is_the_package_conf() -> None:
+    assert (Path(__file__).parents[2] / "conf").resolve() == CONF_DIR.resolve()
+
+
+def test_unknown_keys_fail_at_compose_time() -> None:
+    with pytest.raises(ConfigCompositionException, match="lr_typo"):
+        _compose(["student.lr_typo=1"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["teacher=hf", "teacher.name_or_path=/nonexistent/model"], "teacher.name_or_path"),
+    (["student.layers=[0,7]"], "student.layers"),
+    (["student.loss=l1"], "student.loss"),
+    (["teacher.dtype=int8"], "teacher.dtype"),
+    (["student.micro_batch_size=64", "pipeline.slot_count=8"], "pipeline.slot_count"),
+    (["pipeline.slot_count=100000000", "student.micro_batch_size=1"], "slot_count"),
+])
+def test_bad_settings_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        check_config(_compose(overrides))
+
+
+def test_default_config_passes_the_checks() -> None:
+    check_config(_compose([]))
+
+
+def test_an_installed_wheel_carries_the_config(tmp_path: Path) -> None:
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(root)], check=True, timeout=300)
+    wheel = next(tmp_path.glob("distill-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "distill/conf/config.yaml" in names
+    for group, option in _options():
+        assert f"distill/conf/{group}/{option}.yaml" in names
