@@ -35,7 +35,7 @@ def run_id(cfg: DictConfig) -> str:
 def configure_logging(cfg: DictConfig) -> None:
     """Hydra already installed handlers; set our level and quiet chatty libraries."""
     setup_logging(cfg.log_level)
-    for name in ("transformers", "datasets", "urllib3", "filelock"):
+    for name in ("transformers", "datasets", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

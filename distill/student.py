@@ -93,8 +93,12 @@ class StageModule(nn.Module):
 
 def build_replacement(cfg: DictConfig, teacher: Teacher, layer: int) -> nn.Module:
     """Instantiate ``cfg.replacement`` for one teacher layer, trained in fp32."""
-    factory = instantiate(cfg.replacement)
-    return factory(teacher=teacher, layer_idx=layer).float()
+    try:
+        factory = instantiate(cfg.replacement)
+        return factory(teacher=teacher, layer_idx=layer).float()
+    except TypeError as exc:  # an option the replacement does not take
+        raise ValueError(f"replacement={cfg.replacement.get('_target_')}: {exc}; check the keys under "
+                         "replacement (see conf/replacement/*.yaml for each option)") from exc
 
 
 def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:

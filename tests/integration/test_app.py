@@ -160,3 +160,16 @@ def test_local_tears_everything_down(tmp_path: Path, fault: str) -> None:
             proc.kill()
     assert proc.returncode != 0
     _wait_gone(marker)
+
+
+def test_multirun_gives_each_job_its_own_run_and_a_summary(tmp_path: Path) -> None:
+    overrides = [*_tiny(tmp_path, layers=1), "local.num_workers=1", "local.num_students=1",
+                 "student.steps_per_stage=4", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    cmd = [sys.executable, "-m", "distill", "-m", "mode=local", "replacement=mlp,lowrank", *overrides]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                            env=_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = sorted((tmp_path / "sweep").glob("*/result.json"))
+    assert len(jobs) == 2
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "ResidualMLP" in summary and "LowRankLayer" in summary

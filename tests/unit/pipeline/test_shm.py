@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -91,3 +92,16 @@ def test_too_large_a_segment_gives_sizing_advice() -> None:
         check_shm_space(2**60)
     with pytest.raises(ShmSpaceError):
         SharedMemoryManager(slot_count=2**20, slot_stride=2**40)
+
+
+def test_ctrl_c_unlinks_the_owners_segment() -> None:
+    code = ("import time; from distill.pipeline.mediums.shm import SharedMemoryManager as S;"
+            "s = S(2, 64, run_id='ctrlc'); print(s.buf_name, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    name = proc.stdout.readline().strip()
+    assert name in list_segments()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt" in stderr
+    assert name not in list_segments()
