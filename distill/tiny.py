@@ -166,12 +166,19 @@ def _build_atomically(recipe: TinyRecipe, root: str, final_dir: str) -> None:
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.tmp-", dir=root)
     try:
         _build(recipe, tmp_dir)
-        os.chmod(tmp_dir, 0o755)  # mkdtemp makes it private; the cache may be shared
+        _make_readable(tmp_dir)
         os.replace(tmp_dir, final_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     log.info("tiny teacher cached at %s", final_dir)
+
+
+def _make_readable(directory: str) -> None:
+    """mkdtemp (and safetensors) create private files; a shared cache must be readable."""
+    os.chmod(directory, 0o755)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o644)
 
 
 # ---------------------------------------------------------------------- build
