@@ -40,6 +40,9 @@ from distill.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
+STARVED_FRACTION = 0.2
+"""Warn when students spend more than this share of each step waiting for samples."""
+
 
 @dataclass
 class StudentContext:
@@ -224,6 +227,7 @@ class StageTrainer:
                     and done < total:
                 self.save_checkpoint(done)
         bar.close()
+        self._report_starvation(wait_s, compute_s, samples, time.monotonic() - started)
         val = self.validate(total)
         self.ctx.timings["student_wait_s"] = self.ctx.timings.get("student_wait_s", 0.0) + wait_s
         self.ctx.timings["student_step_s"] = self.ctx.timings.get("student_step_s", 0.0) + compute_s
@@ -255,6 +259,17 @@ class StageTrainer:
                               "step": step, "loss": mean, "layer_losses": {str(k): v for k, v in losses.items()},
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "samples_per_s": rate, "wait_fraction": wait_fraction, "time_s": elapsed})
+
+    def _report_starvation(self, wait_s: float, step_s: float, samples: int, wall_s: float) -> None:
+        """Tell the user when the teachers, not the students, set the pace."""
+        if not self.ctx.leader or step_s <= 0 or wait_s / step_s < STARVED_FRACTION:
+            return
+        delivered = samples * self.ctx.world_size / max(wall_s, 1e-9)
+        needed = samples * self.ctx.world_size / max(step_s - wait_s, 1e-9)
+        log.warning("stage %d was teacher-bound: students waited %.0f%% of the time for data "
+                    "(delivered %.0f samples/s, students could take %.0f); add teacher workers "
+                    "(local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
+                    self.stage.index, 100 * wait_s / step_s, delivered, needed)
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[int, float]:
