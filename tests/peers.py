@@ -162,3 +162,16 @@ def run_switch_rank(rank: int, world: int, init_file: str, endpoints: dict[str, 
     del loader
     client.close()
     dist.destroy_process_group()
+
+
+def run_freezing_worker(endpoints: dict[str, str], busy_file: str, heartbeat_interval_s: float = 0.2) -> None:
+    """A worker that announces its first batch in ``busy_file`` and then hangs in it."""
+    setup_logging("WARNING")
+
+    def hang(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        with open(busy_file, "w") as f:
+            f.write(str(len(targets)))
+        time.sleep(600)
+
+    Worker(batch_fn=hang, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()

@@ -146,6 +146,25 @@ class BatchConfig:
         """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""
         return {spec.name: self._view(data, spec) for spec in self.specs}
 
+    def gather(self, rows: torch.Tensor, index: torch.Tensor, out: Mapping[str, torch.Tensor],
+               start: int = 0) -> None:
+        """Copy encoded samples ``rows[index]`` into ``out[name][start:start + len(index)]``.
+
+        ``rows`` is a uint8 tensor with one encoded sample per row (``[N, >= nbytes()]``,
+        rows may be strided, e.g. the payloads of shared-memory slots); ``out`` holds
+        contiguous batch tensors ``[B, *shape]``. One ``index_select`` per tensor.
+        """
+        count = len(index)
+        for spec in self.specs:
+            if spec.nbytes == 0:
+                continue
+            offset = self._offsets[spec.name]
+            target = out[spec.name][start:start + count]
+            if not target.is_contiguous() or target.dtype != spec.torch_dtype:
+                raise ValueError(f"gather: out[{spec.name!r}] must be a contiguous {spec.dtype} batch")
+            torch.index_select(rows[:, offset:offset + spec.nbytes], 0, index,
+                               out=target.view(torch.uint8).view(count, spec.nbytes))
+
     def decode_single(self, data: Buffer, name: str) -> torch.Tensor:
         """A view of one tensor in ``data``."""
         return self._view(data, self.get_spec(name))

@@ -14,6 +14,10 @@ an older generation is ever completed after ``SET_MODEL`` was answered.
 Workers get credit-based flow control: READY says how many slots a worker can hold
 (absolute), each WORK spends credit, each DONE returns it. WORKs hold slots of one
 run (one model), up to the worker's ``max_batch``; runs are served round robin.
+
+Slots travel through the broker in the groups they arrived in (a ``SlotRequests``
+per REQUEST, split only where a WORK ends), so the per-slot work of the broker is
+building the WORK and COMPLETE lists, nothing more.
 """
 
 from __future__ import annotations
@@ -43,15 +47,15 @@ MAX_PURGED_REMEMBERED = 10_000
 
 
 @dataclass(slots=True)
-class SlotRequest:
-    """One slot a student wants filled."""
+class SlotRequests:
+    """Slots of one medium that a student wants filled (one REQUEST, or part of one)."""
 
     student: bytes
     run_id: str
     medium: str
     stride: int
-    slot_idx: int
-    request_id: int
+    slots: list[list[int]]
+    """[[slot_idx, request_id], ...], as on the wire."""
 
 
 @dataclass
@@ -60,7 +64,8 @@ class Work:
     worker: bytes
     run_id: str
     generation: int
-    items: list[SlotRequest]
+    requests: list[SlotRequests]
+    num_slots: int
 
 
 @dataclass
@@ -87,7 +92,9 @@ class RunState:
     generation: int = 0
     model_id: str | None = None
     model_cfg: dict | None = None
-    queue: deque[SlotRequest] = field(default_factory=deque)
+    queue: deque[SlotRequests] = field(default_factory=deque)
+    queued: int = 0
+    """Slots in ``queue``."""
     completed: int = 0
     discarded: int = 0
 
@@ -206,7 +213,7 @@ class Broker:
         for _ in range(max_messages):
             identity, msg = protocol.recv_routed(sock)
             self._route(sock, identity, msg)
-            if not sock.poll(0):
+            if not protocol.readable(sock):
                 return
 
     def _route(self, sock: zmq.Socket, identity: bytes, msg: Message | ProtocolError) -> None:
@@ -279,12 +286,13 @@ class Broker:
         stride, slots = body["stride"], body["slots"]
         if stride <= HEADER_BYTES:
             raise ProtocolError(f"REQUEST.stride {stride} leaves no room after the {HEADER_BYTES}-byte header")
-        if len(run.queue) + len(slots) > self.max_queued_per_run:
+        if run.queued + len(slots) > self.max_queued_per_run:
             self._counters.refused += len(slots)
-            raise ProtocolError(f"run {run.run_id}: queue full ({len(run.queue)} slots); "
+            raise ProtocolError(f"run {run.run_id}: queue full ({run.queued} slots); "
                                 "slow down or add workers")
-        for slot_idx, request_id in slots:
-            run.queue.append(SlotRequest(identity, run.run_id, body["medium"], stride, slot_idx, request_id))
+        if slots:
+            run.queue.append(SlotRequests(identity, run.run_id, body["medium"], stride, slots))
+            run.queued += len(slots)
         self._counters.requested += len(slots)
         self._requested_rate.add(len(slots))
 
@@ -310,6 +318,7 @@ class Broker:
         run = self._runs.get(peer.run_id)
         if run is not None:
             run.queue = deque(r for r in run.queue if r.student != peer.identity)
+            run.queued = sum(len(r.slots) for r in run.queue)
 
     def _on_stats(self, sock: zmq.Socket, identity: bytes, body: dict) -> None:
         protocol.send(sock, Command.STATS_REPLY, {"stats": self._snapshot().to_dict()}, identity=identity)
@@ -377,8 +386,8 @@ class Broker:
         if work is None:
             peer.credit += body["num_items"]  # work from before a broker restart
             return
-        peer.credit += len(work.items)
-        failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < len(work.items)}
+        peer.credit += work.num_slots
+        failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < work.num_slots}
         self._complete(work, failed)
 
     def _complete(self, work: Work, failed: dict[int, str]) -> None:
@@ -386,27 +395,44 @@ class Broker:
         stale = run is None or work.generation != run.generation
         by_student: dict[bytes, list[list]] = {}
         discarded: dict[bytes, list[list[int]]] = {}
-        for idx, item in enumerate(work.items):
-            if stale or failed.get(idx) == "stale":
-                discarded.setdefault(item.student, []).append([item.slot_idx, item.request_id])
-                continue
-            ok = idx not in failed
-            if not ok:
-                log.warning("worker failed slot %d of %s: %s", item.slot_idx, item.medium, failed[idx])
-            by_student.setdefault(item.student, []).append([item.slot_idx, item.request_id, ok])
-        self._counters.completed += sum(ok for rows in by_student.values() for *_, ok in rows)
-        self._counters.failed += sum(not ok for rows in by_student.values() for *_, ok in rows)
-        self._counters.discarded += sum(len(v) for v in discarded.values())
+        if not stale and not failed:  # the common case: every slot filled
+            for request in work.requests:
+                by_student.setdefault(request.student, []).extend(
+                    [slot_idx, request_id, True] for slot_idx, request_id in request.slots)
+        else:
+            self._sort_outcomes(work, stale, failed, by_student, discarded)
+        num_failed = sum(not ok for rows in by_student.values() for *_, ok in rows) if failed else 0
+        num_rows = sum(len(v) for v in by_student.values())
+        num_discarded = sum(len(v) for v in discarded.values())
+        self._counters.completed += num_rows - num_failed
+        self._counters.failed += num_failed
+        self._counters.discarded += num_discarded
         if run is not None:
-            run.completed += sum(len(v) for v in by_student.values())
-            run.discarded += sum(len(v) for v in discarded.values())
-        self._completed_rate.add(sum(len(v) for v in by_student.values()))
+            run.completed += num_rows
+            run.discarded += num_discarded
+        self._completed_rate.add(num_rows)
         for student, rows in by_student.items():
             protocol.send(self._frontend, Command.COMPLETE, {"generation": work.generation, "slots": rows},
                           identity=student)
         for student, rows in discarded.items():
             protocol.send(self._frontend, Command.DISCARDED,
                           {"generation": run.generation if run else 0, "slots": rows}, identity=student)
+
+    @staticmethod
+    def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: dict[bytes, list[list]],
+                       discarded: dict[bytes, list[list[int]]]) -> None:
+        """Slot by slot: completed (ok or failed) or discarded (stale)."""
+        idx = 0
+        for request in work.requests:
+            for slot_idx, request_id in request.slots:
+                if stale or failed.get(idx) == "stale":
+                    discarded.setdefault(request.student, []).append([slot_idx, request_id])
+                else:
+                    ok = idx not in failed
+                    if not ok:
+                        log.warning("worker failed slot %d of %s: %s", slot_idx, request.medium, failed[idx])
+                    by_student.setdefault(request.student, []).append([slot_idx, request_id, ok])
+                idx += 1
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self) -> None:
@@ -426,24 +452,43 @@ class Broker:
                     self._send_work(worker, run, min(worker.credit, worker.max_batch))
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
-        items = [run.queue.popleft() for _ in range(min(count, len(run.queue)))]
-        work = Work(self._next_work_id, worker.identity, run.run_id, run.generation, items)
+        requests = self._take(run, count)
+        num_slots = sum(len(r.slots) for r in requests)
+        work = Work(self._next_work_id, worker.identity, run.run_id, run.generation, requests, num_slots)
         self._next_work_id += 1
         worker.in_flight[work.work_id] = work
-        worker.credit -= len(items)
-        self._counters.dispatched += len(items)
+        worker.credit -= num_slots
+        self._counters.dispatched += num_slots
         protocol.send(self._backend, Command.WORK, {
             "work_id": work.work_id, "run_id": run.run_id, "generation": run.generation,
             "model_id": run.model_id, "model_cfg": run.model_cfg,
-            "items": [[i.medium, i.slot_idx, i.stride, i.request_id] for i in items],
+            "items": [[r.medium, slot_idx, r.stride, request_id]
+                      for r in requests for slot_idx, request_id in r.slots],
         }, identity=worker.identity)
+
+    @staticmethod
+    def _take(run: RunState, count: int) -> list[SlotRequests]:
+        """Up to ``count`` queued slots, oldest first (the last group split if needed)."""
+        taken: list[SlotRequests] = []
+        left = count
+        while left > 0 and run.queue:
+            head = run.queue[0]
+            if len(head.slots) <= left:
+                taken.append(run.queue.popleft())
+            else:
+                taken.append(SlotRequests(head.student, head.run_id, head.medium, head.stride,
+                                          head.slots[:left]))
+                del head.slots[:left]
+            left -= len(taken[-1].slots)
+        run.queued -= count - left
+        return taken
 
     # ------------------------------------------------------------------ liveness
     def _purge(self) -> None:
         deadline = time.monotonic() - self.heartbeat_interval_s * self.heartbeat_liveness
         for peer in [w for w in self._workers.values() if w.last_seen < deadline]:
             log.warning("worker %s missed %d heartbeats: re-queueing its %d slot(s)", peer.peer_id,
-                        self.heartbeat_liveness, sum(len(w.items) for w in peer.in_flight.values()))
+                        self.heartbeat_liveness, sum(w.num_slots for w in peer.in_flight.values()))
             del self._workers[peer.peer_id]
             self._requeue(peer)
         for peer in [s for s in self._students.values() if s.last_seen < deadline]:
@@ -461,19 +506,21 @@ class Broker:
             run = self._runs.get(work.run_id)
             if run is None:
                 continue
-            items = [i for i in work.items if i.student in live]
-            run.queue.extendleft(reversed(items))
-            self._counters.requeued += len(items)
+            requests = [r for r in work.requests if r.student in live]
+            run.queue.extendleft(reversed(requests))
+            num_slots = sum(len(r.slots) for r in requests)
+            run.queued += num_slots
+            self._counters.requeued += num_slots
         peer.in_flight.clear()
 
     def _snapshot(self) -> BrokerStats:
         c = self._counters
-        per_run = {r.run_id: {"generation": r.generation, "model_id": r.model_id, "queued": len(r.queue),
+        per_run = {r.run_id: {"generation": r.generation, "model_id": r.model_id, "queued": r.queued,
                               "completed": r.completed, "discarded": r.discarded}
                    for r in self._runs.values()}
         return BrokerStats(
-            queued=sum(len(r.queue) for r in self._runs.values()),
-            in_flight=sum(len(w.items) for p in self._workers.values() for w in p.in_flight.values()),
+            queued=sum(r.queued for r in self._runs.values()),
+            in_flight=sum(w.num_slots for p in self._workers.values() for w in p.in_flight.values()),
             requested=c.requested, dispatched=c.dispatched, completed=c.completed,
             discarded=c.discarded, requeued=c.requeued, failed=c.failed, refused=c.refused,
             bad_messages=c.bad_messages, workers=len(self._workers), students=len(self._students),

@@ -9,6 +9,10 @@ socket to the broker's frontend, and the bookkeeping that makes delivery exact:
   generation not older than the newest one known, with a header that checks out;
 - DISCARDED (stale work) and failed slots are asked for again, so none gets stuck.
 
+The hot paths work on many slots per call: headers are checked and cleared through
+one NumPy view of the segment's headers, a batch is gathered out of the slots with
+one ``index_select`` per tensor, and each slot's payload views are made once.
+
 Slot life: FREE -> (request) PENDING -> (COMPLETE, checked) READY -> (handed out)
 HELD -> (release) FREE.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import secrets
 import threading
 import time
 from collections import deque
@@ -39,12 +44,25 @@ from distill.pipeline.liveness import (
 )
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
 from distill.pipeline.protocol import Command, ProtocolError
-from distill.pipeline.slot import HEADER_BYTES, check_slot, clear_header, slot_stride
+from distill.pipeline.slot import (
+    HEADER_BYTES,
+    check_slot,
+    check_slots,
+    clear_header,
+    clear_headers,
+    header_table,
+    slot_stride,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RUN = "default"
 CONTROL_TIMEOUT_MS = 10_000
+FAILURES_BEFORE_BACKOFF = 16
+"""Failed fills in a row before re-requests slow down (exponential, up to BACKOFF_MAX_S)."""
+BACKOFF_MAX_S = 0.5
+MAX_CONSECUTIVE_FAILURES = 200
+"""Failed fills in a row after which the student gives up with an error instead of spinning."""
 
 
 @dataclass
@@ -75,6 +93,15 @@ class SlotPool:
         self._note_generation = note_generation
         self.medium = SharedMemoryManager(slot_count, slot_stride(payload_bytes), read_only=True,
                                           run_id=run_id)
+        stride = self.medium.slot_stride
+        # Views of the whole segment, made once (through their own memoryviews, so
+        # closing the medium is not blocked by them): every header as one record
+        # array, every payload as one row of a [slot_count, payload_bytes] tensor.
+        self._headers = header_table(self.medium.buf[:], stride)
+        self._payload_rows = torch.frombuffer(self.medium.buf[:], dtype=torch.uint8).view(
+            slot_count, stride)[:, HEADER_BYTES:HEADER_BYTES + payload_bytes]
+        self._slot_views: dict[int, tuple[memoryview, dict[str, torch.Tensor]]] = {}
+        self._slot_views_config: BatchConfig | None = None
         self.request_batch = request_batch or max(1, slot_count // 4)
         self._ctx = zmq.Context()
         self._sock = protocol.configure(self._ctx.socket(zmq.DEALER))
@@ -86,11 +113,15 @@ class SlotPool:
         self._pending: dict[int, int] = {}  # slot -> request id
         self._ready: deque[tuple[int, int, int]] = deque()  # (slot, generation, request id)
         self._to_request: list[int] = []
-        self._next_request_id = 1
+        # Request ids start at a random point so that ids of different pools differ:
+        # a worker may derive the sample from the id (e.g. which chunk of data to use).
+        self._next_request_id = secrets.randbits(40) << 16
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0}
         self._closed = False
         self._warned_silent = False
+        self._consecutive_failures = 0
+        self._failure_logged = 0.0
 
     # ------------------------------------------------------------------ requests
     def request_free(self) -> None:
@@ -103,6 +134,17 @@ class SlotPool:
         self._queue_request(slot_idx)
         if len(self._to_request) >= self.request_batch:
             self.flush()
+
+    def release_many(self, slot_idxs: list[int]) -> None:
+        """HELD slots come back: ask for them again (sent on the next flush)."""
+        for slot_idx in slot_idxs:
+            if not 0 <= slot_idx < len(self._headers):
+                raise IndexError(f"slot {slot_idx} outside [0, {len(self._headers)})")
+        clear_headers(self._headers, slot_idxs)
+        first = self._next_request_id
+        self._pending.update(zip(slot_idxs, range(first, first + len(slot_idxs)), strict=True))
+        self._next_request_id = first + len(slot_idxs)
+        self._to_request.extend(slot_idxs)
 
     def _queue_request(self, slot_idx: int) -> None:
         clear_header(self.medium.slot_view(slot_idx))
@@ -123,24 +165,44 @@ class SlotPool:
     # ------------------------------------------------------------------ delivery
     def next_ready(self, timeout_ms: float) -> tuple[int, int, int] | None:
         """The next checked slot (slot, generation, request id), or None on timeout."""
+        if self._ready and self._ready[0][1] >= self._generation():
+            return self._ready.popleft()
+        got = self.next_ready_many(1, timeout_ms)
+        return got[0] if got else None
+
+    def next_ready_many(self, max_count: int, timeout_ms: float) -> list[tuple[int, int, int]]:
+        """Up to ``max_count`` checked slots (slot, generation, request id) of the
+        current generation: those ready now, or else the first to arrive within
+        ``timeout_ms`` (an empty list after that)."""
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            while self._ready:
-                slot, gen, req = self._ready.popleft()
-                if gen >= self._generation():
-                    return slot, gen, req
-                self.counts["stale"] += 1
-                self._queue_request(slot)
+            if self._ready:
+                got = self._take_ready(max_count)
+                if got:
+                    return got
             self.flush()
             self._check_broker()
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                return []
             if self._sock.poll(min(left, self._heart.interval_s) * 1000):
                 self._drain()
 
+    def _take_ready(self, max_count: int) -> list[tuple[int, int, int]]:
+        """Pop up to ``max_count`` ready slots; stale ones are asked for again."""
+        current = self._generation()
+        got = []
+        while self._ready and len(got) < max_count:
+            entry = self._ready.popleft()
+            if entry[1] >= current:
+                got.append(entry)
+                continue
+            self.counts["stale"] += 1
+            self._queue_request(entry[0])
+        return got
+
     def _drain(self) -> None:
-        while self._sock.poll(0):
+        while protocol.readable(self._sock):
             try:
                 msg = protocol.recv(self._sock)
             except ProtocolError as exc:
@@ -163,23 +225,57 @@ class SlotPool:
     def _on_complete(self, generation: int, rows: list[list]) -> None:
         if generation > self._generation():
             self._note_generation(generation)
+        pending = self._pending
+        slots, reqs = [], []
         for slot, req, ok in rows:
-            if self._pending.get(slot) != req:
+            if pending.get(slot) != req:
                 self.counts["rejected"] += 1  # not what we asked for (late or foreign)
                 continue
-            del self._pending[slot]
+            del pending[slot]
             if not ok:
-                self.counts["failed"] += 1
-                self._queue_request(slot)
+                self._on_failed_fill(slot)
                 continue
-            problem = check_slot(self.medium.slot_view(slot), generation, req, self.payload_bytes)
-            if problem is not None:
-                self.counts["rejected"] += 1
-                log.warning("%s: slot %d refused: %s", self.peer_id, slot, problem)
-                self._queue_request(slot)
-                continue
-            self.counts["accepted"] += 1
-            self._ready.append((slot, generation, req))
+            self._consecutive_failures = 0
+            slots.append(slot)
+            reqs.append(req)
+        if not slots:
+            return
+        matches = check_slots(self._headers, slots, generation, reqs, self.payload_bytes)
+        if matches.all():
+            self.counts["accepted"] += len(slots)
+            self._ready.extend(zip(slots, [generation] * len(slots), reqs, strict=True))
+            return
+        for slot, req, match in zip(slots, reqs, matches.tolist(), strict=True):
+            self._accept_or_refuse(slot, generation, req, match)
+
+    def _on_failed_fill(self, slot: int) -> None:
+        """A worker could not fill the slot: ask again, backing off while failures persist."""
+        self.counts["failed"] += 1
+        self._consecutive_failures += 1
+        n = self._consecutive_failures
+        if n >= MAX_CONSECUTIVE_FAILURES:
+            raise RuntimeError(f"{self.peer_id}: workers failed {n} fills in a row; their logs say why "
+                               "(generator errors, or a segment they cannot map)")
+        if n >= FAILURES_BEFORE_BACKOFF:
+            if time.monotonic() - self._failure_logged > 5:
+                self._failure_logged = time.monotonic()
+                log.warning("%s: %d fills in a row failed (see the worker logs); retrying with back-off",
+                            self.peer_id, n)
+            time.sleep(min(BACKOFF_MAX_S, 0.001 * 2 ** (n - FAILURES_BEFORE_BACKOFF)))
+        self._queue_request(slot)
+
+    def _accept_or_refuse(self, slot: int, generation: int, req: int, match: bool) -> None:
+        """One completed slot, its header already compared: the slow check (checksum,
+        and the reason to log) decides when the quick one did not accept it."""
+        problem = None if match else check_slot(self.medium.slot_view(slot), generation, req,
+                                                self.payload_bytes)
+        if problem is not None:
+            self.counts["rejected"] += 1
+            log.warning("%s: slot %d refused: %s", self.peer_id, slot, problem)
+            self._queue_request(slot)
+            return
+        self.counts["accepted"] += 1
+        self._ready.append((slot, generation, req))
 
     def _on_discarded(self, rows: list[list[int]]) -> None:
         for slot, req in rows:
@@ -227,8 +323,23 @@ class SlotPool:
                            f"{timeout_ms / 1000:.0f}s: is `python -m distill mode=broker` running?")
 
     def slot_tensors(self, slot_idx: int, batch_config: BatchConfig) -> tuple[memoryview, dict]:
-        view = self.medium.slot_view(slot_idx)[HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
-        return view, batch_config.decode(view)
+        """The payload of a slot and views of its tensors (fresh tensor objects over
+        views decoded once per slot, so a caller may reshape them freely)."""
+        if batch_config is not self._slot_views_config:
+            self._slot_views.clear()
+            self._slot_views_config = batch_config
+        cached = self._slot_views.get(slot_idx)
+        if cached is None:
+            view = self.medium.slot_view(slot_idx)[HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
+            cached = self._slot_views[slot_idx] = (view, batch_config.decode(view))
+        view, tensors = cached
+        return view, {name: tensor.detach() for name, tensor in tensors.items()}
+
+    def gather(self, slot_idxs: list[int], batch_config: BatchConfig, out: dict[str, torch.Tensor],
+               row: int) -> None:
+        """Copy the samples of ``slot_idxs`` into rows ``row...`` of the batch ``out``."""
+        index = torch.tensor(slot_idxs, dtype=torch.int64)
+        batch_config.gather(self._payload_rows, index, out, row)
 
     def close(self) -> None:
         if self._closed:
@@ -239,6 +350,9 @@ class SlotPool:
             protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
         self._sock.close(linger=100)
         self._ctx.term()
+        # Drop our views of the segment first, so that closing it can unmap it.
+        self._slot_views.clear()
+        self._headers = self._payload_rows = None
         self.medium.close()
 
 

@@ -12,8 +12,14 @@ Two modes:
   of its slot (a slot is reused as soon as the next item is asked for, so a view
   could not outlive it). Use the DataLoader's ``batch_size`` to batch.
 - ``batch_size=B``: yields ready-made batches ``{name: Tensor[B, ...]}``; each
-  sample is copied exactly once, from its slot into the batch. Use
+  sample is copied exactly once, from its slot into the batch (one
+  ``index_select`` per tensor for all the slots that are ready). Use
   ``DataLoader(dataset, batch_size=None)``. This is the fast path.
+- ``batch_size=B, reuse_batches=True``: the same, but every batch is written into
+  the same tensors (a yielded batch is valid until the next one is asked for).
+  Fresh large tensors cost page faults and zeroing (more than the copy itself at
+  256 KiB+ samples); reusing them is the fastest way to fill a training batch, for
+  loops that consume each batch before asking for the next (``num_workers=0``).
 
 ``with_meta=True`` adds int64 tensors ``generation``, ``request_id`` and ``source``
 (which pool filled it) to every sample, so a consumer can check or filter them.
@@ -48,13 +54,15 @@ class DistillIterableDataset(IterableDataset):
                  batch_config: BatchConfig, frontend_endpoint: str | None = None,
                  max_retries: int = 10, retry_delay: float = 0.01, *, run_id: str = DEFAULT_RUN,
                  batch_size: int | None = None, with_meta: bool = False,
-                 timeout_s: float | None = None,
+                 timeout_s: float | None = None, reuse_batches: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
         super().__init__()
         if batch_size is not None and batch_size > slot_count:
             raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
                              "slots all at once; raise slot_count")
+        if reuse_batches and batch_size is None:
+            raise ValueError("reuse_batches=True needs batch_size=B (it reuses the batch tensors)")
         self.student_rank = student_rank
         self.generation_value = generation_value
         self.slot_count = slot_count
@@ -66,10 +74,15 @@ class DistillIterableDataset(IterableDataset):
         self.batch_size = batch_size
         self.with_meta = with_meta
         self.timeout_s = timeout_s
+        self.reuse_batches = reuse_batches
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.reuse_batches and get_worker_info() is not None:
+            raise ValueError("reuse_batches=True in a DataLoader worker: the worker hands each batch "
+                             "to the training process through shared memory, and reusing it would "
+                             "overwrite batches not yet consumed; use num_workers=0 or reuse_batches=False")
         pool = self._open_pool()
         try:
             pool.request_free()
@@ -102,14 +115,22 @@ class DistillIterableDataset(IterableDataset):
                 self.generation_value.value = generation
 
     def _next(self, pool: SlotPool) -> tuple[int, int, int]:
+        return self._next_many(pool, 1)[0]
+
+    def _next_many(self, pool: SlotPool, max_count: int) -> list[tuple[int, int, int]]:
+        """1 to ``max_count`` ready slots (slot, generation, request id) of the current
+        generation; waits (warning now and then, up to ``timeout_s``) for the first."""
         started = last_warning = time.monotonic()
         misses = 0
         while True:
-            got = pool.next_ready(max(self.retry_delay, 0.001) * 1000 * self.max_retries)
-            if got is not None and got[1] >= self._generation():
-                return got
-            if got is not None:  # went stale while we looked: ask again
-                pool.release(got[0])
+            got = pool.next_ready_many(max_count, max(self.retry_delay, 0.001) * 1000 * self.max_retries)
+            current = self._generation()
+            fresh = [entry for entry in got if entry[1] >= current]
+            if len(fresh) < len(got):  # went stale while we looked: ask again
+                pool.release_many([entry[0] for entry in got if entry[1] < current])
+            if fresh:
+                return fresh
+            if got:
                 continue
             misses += 1
             now = time.monotonic()
@@ -132,26 +153,26 @@ class DistillIterableDataset(IterableDataset):
                               source=torch.tensor(pool.source_id))
             yield sample
 
+    def _new_batch(self) -> dict[str, torch.Tensor]:
+        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype)
+                for s in self.batch_config.specs}
+
     def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
-        specs = self.batch_config.specs
+        reused = self._new_batch() if self.reuse_batches else None
         while True:
-            batch = {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype) for s in specs}
+            batch = dict(reused) if reused is not None else self._new_batch()
             gens, reqs, slots = [], [], []
             while len(slots) < self.batch_size:
-                slot, gen, req = self._next(pool)
-                _, views = pool.slot_tensors(slot, self.batch_config)
-                for name, view in views.items():
-                    batch[name][len(slots)].copy_(view)
-                slots.append(slot)
-                gens.append(gen)
-                reqs.append(req)
-            if min(gens) < self._generation():  # the model moved on while we filled the batch
-                for slot in slots:
-                    pool.release(slot)
-                continue
-            for slot in slots:
-                pool.release(slot)
+                ready = self._next_many(pool, self.batch_size - len(slots))
+                chunk = [slot for slot, _, _ in ready]
+                pool.gather(chunk, self.batch_config, batch, len(slots))
+                slots += chunk
+                gens += [gen for _, gen, _ in ready]
+                reqs += [req for _, _, req in ready]
+            pool.release_many(slots)
             pool.flush()
+            if min(gens) < self._generation():  # the model moved on while we filled the batch
+                continue
             if self.with_meta:
                 batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs),
                              source=torch.full((len(slots),), pool.source_id))

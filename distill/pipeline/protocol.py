@@ -123,9 +123,11 @@ SCHEMA: dict[Command, dict[str, str]] = {
 
 
 def encode(command: Command, body: dict[str, Any] | None = None) -> list[bytes]:
-    """Frames for ``command`` with ``body`` (validated: we never send what we'd refuse)."""
+    """Frames for ``command`` with ``body``, validated as ``decode`` would, except the
+    items inside slot lists: we built those from validated input, and the receiver
+    checks them anyway (checking hundreds of them twice would double the cost)."""
     body = {} if body is None else body
-    _validate(command, body)
+    _validate(command, body, check_items=False)
     return [PROTOCOL_TAG, command.value, msgpack.packb(body, use_bin_type=True)]
 
 
@@ -136,10 +138,9 @@ def decode(frames: list[bytes]) -> Message:
     tag, raw_command, raw_body = frames
     if tag != PROTOCOL_TAG:
         raise ProtocolError(f"bad protocol tag {bytes(tag[:8])!r} (want {PROTOCOL_TAG!r})")
-    try:
-        command = Command(bytes(raw_command))
-    except ValueError:
-        raise ProtocolError(f"unknown command {bytes(raw_command[:32])!r}") from None
+    command = _COMMANDS.get(bytes(raw_command))
+    if command is None:
+        raise ProtocolError(f"unknown command {bytes(raw_command[:32])!r}")
     try:
         body = msgpack.unpackb(raw_body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many types on garbage
@@ -150,19 +151,23 @@ def decode(frames: list[bytes]) -> Message:
     return Message(command, body)
 
 
-def _validate(command: Command, body: dict[str, Any]) -> None:
+def _validate(command: Command, body: dict[str, Any], *, check_items: bool = True) -> None:
     schema = SCHEMA[command]
     for key in body:
         if key not in schema:
             raise ProtocolError(f"{command.name}: unknown field {str(key)[:40]!r}")
-    for key, kind in schema.items():
-        optional = kind.endswith("?")
-        kind = kind.rstrip("?")
-        if key not in body or body[key] is None:
+    for key, kind, optional, quick_check in _FIELDS[command]:
+        value = body.get(key)
+        if value is None:
             if optional:
                 continue
             raise ProtocolError(f"{command.name}: missing field {key!r}")
-        _check_value(command, key, kind, body[key])
+        if kind in _LIST_SHAPES and not check_items:
+            if type(value) is not list or len(value) > MAX_ITEMS_PER_MESSAGE:
+                raise ProtocolError(f"{command.name}.{key} must be a list of at most "
+                                    f"{MAX_ITEMS_PER_MESSAGE} items")
+        elif not quick_check(value):  # the full check says what is wrong (or accepts)
+            _check_value(command, key, kind, value)
 
 
 def _check_value(command: Command, key: str, kind: str, value: Any) -> None:
@@ -202,7 +207,9 @@ _LIST_SHAPES: dict[str, tuple[str, ...]] = {
 def _check_list(where: str, value: Any, shape: tuple[str, ...]) -> None:
     if not isinstance(value, list) or len(value) > MAX_ITEMS_PER_MESSAGE:
         raise ProtocolError(f"{where} must be a list of at most {MAX_ITEMS_PER_MESSAGE} items")
-    for item in value:
+    if _WELL_FORMED[shape](value):
+        return  # the common case, checked in one quick pass
+    for item in value:  # find the bad item and say what is wrong with it
         if not isinstance(item, list) or len(item) != len(shape):
             raise ProtocolError(f"{where} items must be lists of {len(shape)} values")
         for kind, element in zip(shape, item, strict=True):
@@ -215,6 +222,83 @@ def _check_list(where: str, value: Any, shape: tuple[str, ...]) -> None:
                 _check_int(where, element)
 
 
+# Quick checks of whole lists, one per element shape. They accept a subset of what
+# the item-by-item check accepts (exact types: msgpack yields exact int/str/bool/list,
+# and ``type(x) is int`` also rules out bool); anything they refuse goes through the
+# item check, which decides. Hundreds of slots per message make this the hot path.
+def _slots_ok(value: list) -> bool:
+    for item in value:
+        if type(item) is not list or len(item) != 2:
+            return False
+        slot_idx, request_id = item
+        if (type(slot_idx) is not int or type(request_id) is not int
+                or not 0 <= slot_idx <= MAX_INT or not 0 <= request_id <= MAX_INT):
+            return False
+    return True
+
+
+def _items_ok(value: list) -> bool:
+    for item in value:
+        if type(item) is not list or len(item) != 4:
+            return False
+        medium, slot_idx, stride, request_id = item
+        if (type(medium) is not str or len(medium) > MAX_STRING_CHARS
+                or type(slot_idx) is not int or type(stride) is not int or type(request_id) is not int
+                or not 0 <= slot_idx <= MAX_INT or not 0 <= stride <= MAX_INT
+                or not 0 <= request_id <= MAX_INT):
+            return False
+    return True
+
+
+def _failed_ok(value: list) -> bool:
+    for item in value:
+        if type(item) is not list or len(item) != 2:
+            return False
+        idx, reason = item
+        if (type(idx) is not int or not 0 <= idx <= MAX_INT
+                or type(reason) is not str or len(reason) > MAX_STRING_CHARS):
+            return False
+    return True
+
+
+def _done_slots_ok(value: list) -> bool:
+    for item in value:
+        if type(item) is not list or len(item) != 3:
+            return False
+        slot_idx, request_id, ok = item
+        if (type(slot_idx) is not int or type(request_id) is not int or type(ok) is not bool
+                or not 0 <= slot_idx <= MAX_INT or not 0 <= request_id <= MAX_INT):
+            return False
+    return True
+
+
+_WELL_FORMED = {
+    _LIST_SHAPES["slots"]: _slots_ok,
+    _LIST_SHAPES["items"]: _items_ok,
+    _LIST_SHAPES["failed"]: _failed_ok,
+    _LIST_SHAPES["done_slots"]: _done_slots_ok,
+}
+
+# Quick checks of single values, by schema kind (same rule: a subset of what the
+# full check accepts; on False the full check decides and says why).
+_QUICK_CHECKS = {
+    "str": lambda v: type(v) is str and len(v) <= MAX_STRING_CHARS,
+    "int": lambda v: type(v) is int and 0 <= v <= MAX_INT,
+    "dict": lambda v: type(v) is dict,
+    **{kind: (lambda v, ok=_WELL_FORMED[shape]: type(v) is list
+              and len(v) <= MAX_ITEMS_PER_MESSAGE and ok(v))
+       for kind, shape in _LIST_SHAPES.items()},
+}
+# The schema, parsed once: command -> ((field, kind, optional, quick check), ...).
+_FIELDS = {
+    command: tuple((key, kind.rstrip("?"), kind.endswith("?"),
+                    _QUICK_CHECKS.get(kind.rstrip("?"), lambda v: False))
+                   for key, kind in schema.items())
+    for command, schema in SCHEMA.items()
+}
+_COMMANDS = {command.value: command for command in Command}
+
+
 # --------------------------------------------------------------------------- sockets
 def configure(sock: zmq.Socket, *, hwm: int = 100_000) -> zmq.Socket:
     """Socket options every pipeline socket gets: bounded size, no linger on close."""
@@ -225,12 +309,27 @@ def configure(sock: zmq.Socket, *, hwm: int = 100_000) -> zmq.Socket:
     return sock
 
 
+# Frames below this size are copied into ZeroMQ (cheaper than a zero-copy frame).
+ZERO_COPY_MIN_BYTES = 65536
+_SNDMORE = int(zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
+
 def send(sock: zmq.Socket, command: Command, body: dict[str, Any] | None = None, *,
          identity: bytes | None = None, topic: bytes | None = None) -> None:
     """Send one message; ``identity`` for ROUTER sockets, ``topic`` for PUB."""
     frames = encode(command, body)
     prefix = [identity] if identity is not None else [topic] if topic is not None else []
-    sock.send_multipart(prefix + frames, copy=False)
+    *first, last = prefix + frames
+    for frame in first:
+        sock.send(frame, _SNDMORE)
+    sock.send(last, 0, copy=len(last) < ZERO_COPY_MIN_BYTES)
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """True when a message is waiting on ``sock`` (``poll(0)`` without a system call)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 def recv(sock: zmq.Socket) -> Message:

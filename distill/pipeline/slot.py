@@ -20,13 +20,22 @@ Byte layout of one slot (little endian)::
     36      28    reserved     zero
     64      ...   payload      payload_len bytes (the BatchConfig encoding)
     ...           padding      up to the slot stride (a multiple of SLOT_ALIGN)
+
+Each function comes in two forms: one slot (``write_header``, ``check_slot``, ...)
+and many slots at once through a :func:`header_table`, a strided NumPy view of
+every header of a segment (``write_headers``, ``check_slots``, ``clear_headers``).
+The table form is what the hot paths use: a REQUEST, WORK or COMPLETE of hundreds
+of slots costs a few NumPy calls instead of hundreds of Python ones.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 SLOT_MAGIC = b"DSLT"
 SLOT_VERSION = 1
@@ -35,6 +44,13 @@ SLOT_ALIGN = 64
 FLAG_CHECKSUM = 1
 
 _HEADER = struct.Struct("<4sHHQQQI")
+HEADER_DTYPE = np.dtype({
+    "names": ["magic", "version", "flags", "generation", "request_id", "payload_len", "checksum"],
+    "formats": ["S4", "<u2", "<u2", "<u8", "<u8", "<u8", "<u4"],
+    "offsets": [0, 4, 6, 8, 16, 24, 32],
+    "itemsize": HEADER_BYTES,
+})
+_RAW_HEADER = np.dtype((np.void, HEADER_BYTES))  # all 64 bytes, reserved ones included
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +108,45 @@ def check_slot(buf: memoryview, generation: int, request_id: int, payload_len: i
         if actual != header.checksum:
             return f"checksum {actual:#x} != {header.checksum:#x}"
     return None
+
+
+# --------------------------------------------------------------------------- many slots
+def header_table(buf: memoryview, stride: int) -> np.ndarray:
+    """The headers of every whole slot of ``buf`` as one record array (a view:
+    writable when ``buf`` is). Row ``i`` is the header at byte ``i * stride``."""
+    if stride < HEADER_BYTES:
+        raise ValueError(f"stride {stride} is smaller than the {HEADER_BYTES}-byte header")
+    return np.ndarray((len(buf) // stride,), dtype=HEADER_DTYPE, buffer=buf, strides=(stride,))
+
+
+def write_headers(table: np.ndarray, slot_idxs: Sequence[int], generation: int,
+                  request_ids: Sequence[int], payload_lens: Sequence[int] | int,
+                  checksums: Sequence[int] | None = None) -> None:
+    """Commit many slots (call after their payloads are in place)."""
+    records = np.zeros(len(slot_idxs), dtype=HEADER_DTYPE)
+    records["magic"] = SLOT_MAGIC
+    records["version"] = SLOT_VERSION
+    records["generation"] = generation
+    records["request_id"] = request_ids
+    records["payload_len"] = payload_lens
+    if checksums is not None:
+        records["flags"] = FLAG_CHECKSUM
+        records["checksum"] = checksums
+    table[np.asarray(slot_idxs, dtype=np.intp)] = records
+
+
+def clear_headers(table: np.ndarray, slot_idxs: Sequence[int]) -> None:
+    """Invalidate many slots before asking for them to be filled again (zero their headers)."""
+    table.view(_RAW_HEADER)[np.asarray(slot_idxs, dtype=np.intp)] = bytes(HEADER_BYTES)
+
+
+def check_slots(table: np.ndarray, slot_idxs: Sequence[int], generation: int,
+                request_ids: Sequence[int], payload_len: int) -> np.ndarray:
+    """For each slot, True when its header is exactly the one asked for and carries
+    no checksum. A False slot is not necessarily bad: ask :func:`check_slot` (which
+    also verifies checksums, and says what is wrong)."""
+    headers = table[np.asarray(slot_idxs, dtype=np.intp)]
+    return ((headers["magic"] == SLOT_MAGIC) & (headers["version"] == SLOT_VERSION)
+            & (headers["flags"] & FLAG_CHECKSUM == 0) & (headers["generation"] == generation)
+            & (headers["request_id"] == np.asarray(request_ids, dtype=np.uint64))
+            & (headers["payload_len"] == payload_len))

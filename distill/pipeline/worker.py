@@ -11,7 +11,12 @@ Two ways to make samples:
 
 The worker drains every WORK already waiting on its socket (up to ``max_batch``
 slots of one model) before calling the generator, so small requests are batched.
-The payload is written first and the slot header last (see ``slot.py``).
+The payload is written first and the slot header last (see ``slot.py``): all
+headers of a batch at once, through one NumPy view of the segment's headers.
+Each slot's address is checked and its views are decoded once, the first time it
+is filled, and the same tensor views serve every later fill of that slot: write
+into them (``copy_``, indexing), never change them in place (``resize_``,
+``unsqueeze_``, ...). Each ``SlotTarget.tensors`` dict is a fresh one.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import zmq
 
@@ -35,7 +40,7 @@ from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, Heartbeater
 from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
 from distill.pipeline.protocol import Command, Message, ProtocolError
-from distill.pipeline.slot import HEADER_BYTES, SlotHeader, payload_checksum, write_header
+from distill.pipeline.slot import HEADER_BYTES, header_table, payload_checksum, write_headers
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,8 @@ SEGMENT_RECHECK_S = 5.0
 
 @dataclass
 class SlotTarget:
-    """One slot to fill: writable views into the student's memory."""
+    """One slot to fill: writable views into the student's memory (write into them;
+    they are reused for the slot's next fill, so never reshape them in place)."""
 
     request_id: int
     generation: int
@@ -57,14 +63,31 @@ class SlotTarget:
 BatchFn = Callable[[str, dict | None, list[SlotTarget]], None]
 
 
+SlotViews = tuple[memoryview, dict[str, torch.Tensor] | None]
+
+
 @dataclass
-class _Item:
+class _Segment:
+    """An attached student segment, and what was made of it once per slot."""
+
+    view: memoryview
+    slots: dict[int, dict[int, SlotViews]] = field(default_factory=dict)
+    """stride -> slot_idx -> the slot's payload view and decoded tensors."""
+    tables: dict[int, np.ndarray] = field(default_factory=dict)
+    """stride -> the header table of the segment cut in slots of that stride."""
+
+
+@dataclass
+class _Run:
+    """Consecutive items of one WORK that go to one segment, cut with one stride."""
+
     work_id: int
-    idx: int
     medium: str
-    slot_idx: int
     stride: int
-    request_id: int
+    idxs: list[int] = field(default_factory=list)
+    """Positions of the items in the WORK (what DONE.failed refers to)."""
+    slot_idxs: list[int] = field(default_factory=list)
+    targets: list[SlotTarget] = field(default_factory=list)
 
 
 class Worker:
@@ -101,7 +124,7 @@ class Worker:
         self._generation: dict[str, int] = {}
         self._model_id: str | None = None
         self._last_run = "default"
-        self._segments: OrderedDict[str, Any] = OrderedDict()
+        self._segments: OrderedDict[str, _Segment] = OrderedDict()
         self._segments_checked = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -198,7 +221,7 @@ class Worker:
     def _collect_work(self, sock: zmq.Socket) -> list[Message]:
         """The WORK waiting on the socket, up to about ``max_batch`` slots."""
         works, slots = [], 0
-        while slots < self.max_batch and sock.poll(0):
+        while slots < self.max_batch and protocol.readable(sock):
             try:
                 msg = protocol.recv(sock)
             except ProtocolError as exc:
@@ -237,35 +260,60 @@ class Worker:
                 failed[work.body["work_id"]] = dict.fromkeys(range(len(work.body["items"])), "stale")
             return failed
         self._note_generation(run_id, generation, model_id)
-        targets, items = [], []
+        runs: list[_Run] = []
         for work in group:
-            for idx, (medium, slot_idx, stride, request_id) in enumerate(work.body["items"]):
-                item = _Item(work.body["work_id"], idx, medium, slot_idx, stride, request_id)
+            self._add_targets(work.body, generation, runs, failed)
+        targets = [target for run in runs for target in run.targets]
+        if targets:
+            self._generate(model_id, first.get("model_cfg"), targets, runs, failed)
+        return failed
+
+    def _add_targets(self, body: dict, generation: int, runs: list[_Run],
+                     failed: dict[int, dict[int, str]]) -> None:
+        """A target for every item of one WORK, grouped in runs; bad addresses fail."""
+        work_id, run, cached_slots = body["work_id"], None, {}
+        for idx, (medium, slot_idx, stride, request_id) in enumerate(body["items"]):
+            if run is None or medium != run.medium or stride != run.stride:
+                run = _Run(work_id, medium, stride)
+                runs.append(run)
+                cached_slots = self._cached_slots(medium, stride)
+            views = cached_slots.get(slot_idx)
+            if views is None:
                 try:
-                    targets.append(self._target(item, generation))
-                    items.append(item)
+                    views = self._slot(medium, slot_idx, stride)
                 except (OSError, ValueError, IndexError, PermissionError) as exc:
                     log.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id, slot_idx,
                                 medium, exc)
-                    failed.setdefault(item.work_id, {})[idx] = f"bad address: {exc}"[:200]
-        if targets:
-            self._generate(model_id, first.get("model_cfg"), targets, items, failed)
-        return failed
+                    failed.setdefault(work_id, {})[idx] = f"bad address: {exc}"[:200]
+                    continue
+                cached_slots = self._cached_slots(medium, stride)  # the segment may be new
+            payload, tensors = views
+            run.idxs.append(idx)
+            run.slot_idxs.append(slot_idx)
+            run.targets.append(SlotTarget(request_id, generation, payload,
+                                          None if tensors is None else dict(tensors)))
 
-    def _target(self, item: _Item, generation: int) -> SlotTarget:
-        if item.stride < HEADER_BYTES + self.slot_size:
-            raise ValueError(f"stride {item.stride} < header + slot_size {HEADER_BYTES + self.slot_size}")
-        buf = self._segment(item.medium, item.stride)
-        start = item.slot_idx * item.stride
-        if start + item.stride > len(buf):
-            raise IndexError(f"slot {item.slot_idx} x stride {item.stride} is outside the "
-                             f"{len(buf)}-byte segment")
-        payload = buf[start + HEADER_BYTES:start + HEADER_BYTES + self.slot_size]
+    def _cached_slots(self, medium: str, stride: int) -> dict[int, SlotViews]:
+        """The slots of a segment already checked and decoded for ``stride`` (or none)."""
+        segment = self._segments.get(medium)
+        return {} if segment is None else segment.slots.get(stride, {})
+
+    def _slot(self, medium: str, slot_idx: int, stride: int) -> SlotViews:
+        """Check a slot's address, decode its views, and remember them."""
+        if stride < HEADER_BYTES + self.slot_size:
+            raise ValueError(f"stride {stride} < header + slot_size {HEADER_BYTES + self.slot_size}")
+        segment = self._segment(medium, stride)
+        start = slot_idx * stride
+        if start + stride > len(segment.view):
+            raise IndexError(f"slot {slot_idx} x stride {stride} is outside the "
+                             f"{len(segment.view)}-byte segment")
+        payload = segment.view[start + HEADER_BYTES:start + HEADER_BYTES + self.slot_size]
         tensors = self.batch_config.decode(payload) if self.batch_config and self.batch_fn else None
-        return SlotTarget(item.request_id, generation, payload, tensors)
+        segment.slots.setdefault(stride, {})[slot_idx] = payload, tensors
+        return payload, tensors
 
     def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
-                  items: list[_Item], failed: dict[int, dict[int, str]]) -> None:
+                  runs: list[_Run], failed: dict[int, dict[int, str]]) -> None:
         try:
             if self.batch_fn is not None:
                 self.batch_fn(model_id, model_cfg, targets)
@@ -274,14 +322,14 @@ class Worker:
                 lengths = [self._generate_one(model_id, model_cfg, t) for t in targets]
         except Exception as exc:  # a generator bug must not kill the worker
             log.exception("worker %s: generator failed for model %s", self.peer_id, model_id)
-            for item in items:
-                failed.setdefault(item.work_id, {})[item.idx] = f"generator failed: {exc!r}"[:200]
+            for run in runs:
+                failed.setdefault(run.work_id, {}).update(
+                    dict.fromkeys(run.idxs, f"generator failed: {exc!r}"[:200]))
             return
-        for target, item, length in zip(targets, items, lengths, strict=True):
-            if length < 0:
-                failed.setdefault(item.work_id, {})[item.idx] = "sample larger than the slot"
-                continue
-            self._commit(target, item, length)
+        start = 0
+        for run in runs:
+            self._commit(run, lengths[start:start + len(run.targets)], failed)
+            start += len(run.targets)
 
     def _generate_one(self, model_id: str, model_cfg: dict | None, target: SlotTarget) -> int:
         data = self.generator_fn(model_id, model_cfg)
@@ -291,25 +339,40 @@ class Worker:
         target.payload[:len(data)] = data
         return len(data)
 
-    def _commit(self, target: SlotTarget, item: _Item, length: int) -> None:
-        checksum = payload_checksum(target.payload[:length]) if self.checksum else None
-        buf = self._segments[item.medium]
-        start = item.slot_idx * item.stride
-        write_header(buf[start:start + HEADER_BYTES],
-                     SlotHeader(target.generation, target.request_id, length, checksum))
-        self.samples_written += 1
+    def _commit(self, run: _Run, lengths: list[int], failed: dict[int, dict[int, str]]) -> None:
+        """Write the headers of a run's filled slots (their payloads are in place)."""
+        slot_idxs, targets = run.slot_idxs, run.targets
+        if not targets:  # every item of the run had a bad address
+            return
+        if min(lengths) < 0:  # a generator_fn sample that did not fit: that slot fails
+            kept = [i for i, length in enumerate(lengths) if length >= 0]
+            for i in sorted(set(range(len(lengths))) - set(kept)):
+                failed.setdefault(run.work_id, {})[run.idxs[i]] = "sample larger than the slot"
+            slot_idxs, targets = [slot_idxs[i] for i in kept], [targets[i] for i in kept]
+            lengths = [lengths[i] for i in kept]
+        if not slot_idxs:
+            return
+        segment = self._segments[run.medium]
+        self._segments.move_to_end(run.medium)  # least recently used segments are unmapped first
+        table = segment.tables.get(run.stride)
+        if table is None:
+            table = segment.tables[run.stride] = header_table(segment.view[:], run.stride)
+        checksums = ([payload_checksum(target.payload[:length])
+                      for target, length in zip(targets, lengths, strict=True)] if self.checksum else None)
+        write_headers(table, slot_idxs, targets[0].generation, [target.request_id for target in targets],
+                      lengths, checksums)
+        self.samples_written += len(slot_idxs)
 
     # ------------------------------------------------------------------ segments
-    def _segment(self, name: str, stride: int) -> memoryview:
-        view = self._segments.get(name)
-        if view is None:
+    def _segment(self, name: str, stride: int) -> _Segment:
+        segment = self._segments.get(name)
+        if segment is None:
             mapping = attach_segment(name, stride)
-            view = memoryview(mapping)
-            self._segments[name] = view
+            segment = self._segments[name] = _Segment(memoryview(mapping))
             while len(self._segments) > MAX_ATTACHED_SEGMENTS:
                 self._forget_segment(next(iter(self._segments)))
         self._segments.move_to_end(name)
-        return view
+        return segment
 
     def _maybe_drop_segments(self) -> None:
         """Unmap segments whose owner unlinked them, so their memory can be freed."""
@@ -320,9 +383,11 @@ class Worker:
             self._forget_segment(name)
 
     def _forget_segment(self, name: str) -> None:
-        view = self._segments.pop(name)
-        mapping = view.obj
-        view.release()
+        segment = self._segments.pop(name)
+        segment.slots.clear()
+        segment.tables.clear()
+        mapping = segment.view.obj
+        segment.view.release()
         with contextlib.suppress(BufferError):  # a tensor view is still alive: it keeps the map
             mapping.close()
 

@@ -1,0 +1,550 @@
+"""Pipeline throughput: samples/s and GB/s delivered into student tensors.
+
+Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
+4 MiB reach a training batch tensor in the consuming (student) process:
+
+- ``cold memcpy``: one thread copies batches out of a 1 GiB source ring (far larger
+  than the CPU caches) into the batch tensor. The physical limit.
+- ``mp.Queue``: 1 or 2 producer processes put tensors on a
+  ``torch.multiprocessing`` queue; the consumer copies each one into the batch.
+- ``DataLoader``: a ``torch.utils.data.DataLoader`` with 2 worker processes
+  yields collated batches; the consumer copies each batch into its batch tensor.
+- ``pipeline``: a broker process and 1 or 2 worker processes of
+  ``distill.pipeline`` fill the student's shared-memory slots; the student (this
+  process) copies every slot into a batch, either with
+  ``DistillIterableDataset(batch_size=B, reuse_batches=True)`` (``pipeline/dataset``:
+  one ``index_select`` per ready chunk of slots), or with
+  ``StudentClient.request_sample``, ``batch[i].copy_(ref.tensors["x"])`` and
+  ``release_slot`` (``pipeline/client``: one copy per sample).
+
+Every producer does the same minimal work per sample, ``fill_sample``: it fills
+the sample with one byte derived from a counter (one ``fill_`` call, every byte
+written, no random numbers). Every consumer touches every byte it is handed
+exactly once, by copying it into a preallocated training batch tensor
+(``pipeline/dataset``: the batch tensors the dataset reuses).
+Every process runs torch with one thread; processes are started with ``spawn``.
+
+Each cell warms up, then measures for ``--seconds`` cut in 8 sub-windows and
+reports the median sub-window rate (the machine may be shared: a burst of foreign
+load spoils a sub-window, not the cell). The memcpy reference is measured twice
+per size, before and after the other methods, and the faster run is kept. Ratios
+compare cells of the same run.
+
+A second table splits the CPU time of each measuring window by process role
+(broker, producers/workers, consumer/student), per delivered sample, read from
+``/proc/<pid>/stat`` (all threads: ZeroMQ I/O threads, heartbeats) before and after.
+
+Run it from the repository root::
+
+    python bench/pipeline.py               # full table, about 3 minutes
+    python bench/pipeline.py --quick       # smoke run, about a minute
+    python bench/pipeline.py --seconds 5   # longer measuring windows
+
+Ctrl-C stops it cleanly: child processes are stopped (and die with this process
+anyhow), shared-memory segments are unlinked, IPC sockets removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import queue
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing
+import torch.utils.data
+
+from distill.pipeline import (
+    BatchConfig,
+    Broker,
+    DistillIterableDataset,
+    StudentClient,
+    TensorSpec,
+    Worker,
+    setup_logging,
+)
+from distill.pipeline.mediums.shm import SHM_DIR, list_segments
+
+SPAWN = torch.multiprocessing.get_context("spawn")
+RING_BYTES = 1 << 30
+QUICK_RING_BYTES = 256 << 20
+DEFAULT_SECONDS = 4.0
+QUICK_SECONDS = 0.3
+SUB_WINDOWS = 8
+FIRST_BATCH_TIMEOUT_S = 30.0
+PR_SET_PDEATHSIG = 1
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Size:
+    """One sample size and the batching every method uses for it."""
+
+    label: str
+    sample_bytes: int
+    batch_size: int
+    """Samples per training batch, for every method."""
+    slot_count: int
+    """Pipeline: slots the student owns (a few batches in flight)."""
+    worker_batch: int
+    """Pipeline: a worker's ``max_batch`` (slots per WORK)."""
+
+
+SIZES = (
+    Size("4 KiB", 4 << 10, batch_size=256, slot_count=2048, worker_batch=512),
+    Size("256 KiB", 256 << 10, batch_size=32, slot_count=128, worker_batch=32),
+    Size("4 MiB", 4 << 20, batch_size=4, slot_count=16, worker_batch=4),
+)
+
+
+@dataclass
+class Result:
+    """One measured cell of the table."""
+
+    size: Size
+    method: str
+    procs: int
+    samples: int
+    seconds: float
+    window_rates: list[float]
+    """Samples/s of each sub-window of the measuring window."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds spent during the window, by role."""
+
+    @property
+    def rate(self) -> float:
+        """Median samples/s over the sub-windows (robust to bursts of foreign load)."""
+        return statistics.median(self.window_rates) if self.window_rates else self.samples / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.rate * self.size.sample_bytes / 1e9
+
+    def us_per_sample(self, role: str) -> float | None:
+        cpu = self.cpu_s.get(role)
+        return None if cpu is None else cpu / self.samples * 1e6
+
+
+# --------------------------------------------------------------------------- producers
+def fill_sample(out: torch.Tensor, counter: int) -> None:
+    """What every producer does per sample: write each byte once, no RNG."""
+    out.fill_(counter & 0xFF)
+
+
+def sample_config(sample_bytes: int) -> BatchConfig:
+    return BatchConfig([TensorSpec("x", (sample_bytes,), "uint8")])
+
+
+def fill_targets(model_id: str, model_cfg: dict | None, targets: list) -> None:
+    """The pipeline worker's ``batch_fn``: ``fill_sample`` straight into each slot."""
+    for target in targets:
+        fill_sample(target.tensors["x"], target.request_id)
+
+
+class ConstantStream(torch.utils.data.IterableDataset):
+    """The DataLoader's dataset: endless ``fill_sample``-ed tensors."""
+
+    def __init__(self, sample_bytes: int) -> None:
+        super().__init__()
+        self.sample_bytes = sample_bytes
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        counter = 0
+        while True:
+            sample = torch.empty(self.sample_bytes, dtype=torch.uint8)
+            fill_sample(sample, counter)
+            counter += 1
+            yield sample
+
+
+# --------------------------------------------------------------------------- child processes
+def _child_init(parent_pid: int) -> None:
+    """Every child: die with the parent, leave Ctrl-C to it, exit at once on SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    torch.set_num_threads(1)
+    setup_logging("WARNING")
+
+
+def run_queue_producer(parent_pid: int, ready, samples: queue.Queue, sample_bytes: int) -> None:
+    _child_init(parent_pid)
+    ready.set()
+    counter = 0
+    while True:
+        sample = torch.empty(sample_bytes, dtype=torch.uint8)
+        fill_sample(sample, counter)
+        counter += 1
+        samples.put(sample)
+
+
+def run_broker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
+    _child_init(parent_pid)
+    broker = Broker(**{f"{name}_endpoint": ep for name, ep in endpoints.items()})
+    ready.set()
+    broker.run()
+
+
+def run_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int,
+               max_batch: int) -> None:
+    _child_init(parent_pid)
+    worker = Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes), max_batch=max_batch,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE: the broker stays quiet
+    ready.set()
+    worker.run()
+
+
+class Children:
+    """Spawned children: started one by one (each says when it is ready), and stopped
+    (SIGTERM, then SIGKILL) when the block exits, however it exits."""
+
+    def __init__(self) -> None:
+        self.procs: list = []
+
+    def start(self, target: Callable, *args: object) -> int:
+        """Start ``target(parent_pid, ready, *args)``; returns its pid once it is ready."""
+        ready = SPAWN.Event()
+        proc = SPAWN.Process(target=target, args=(os.getpid(), ready, *args), daemon=True)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is ours alone
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.procs.append(proc)
+        while not ready.wait(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with code {proc.exitcode}")
+        return proc.pid
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(3)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(3)
+
+
+# --------------------------------------------------------------------------- measuring
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    return {role: sum(_cpu_s(pid) for pid in pids) for role, pids in roles.items()}
+
+
+def measure(size: Size, method: str, procs: int, step: Callable[[], int], seconds: float,
+            roles: dict[str, list[int]]) -> Result:
+    """Run ``step`` (returns samples delivered) for a warm-up, then for ``seconds`` cut
+    in ``SUB_WINDOWS`` sub-windows; CPU time per role is read around the whole window."""
+    step()  # the first batch waits for the producers
+    warm_until = time.perf_counter() + max(0.2, seconds / 4)
+    while time.perf_counter() < warm_until:
+        step()
+    before = _cpu_by_role(roles)
+    samples, rates, window_s = 0, [], seconds / SUB_WINDOWS
+    start = window_start = time.perf_counter()
+    window_samples = 0
+    while (now := time.perf_counter()) - start < seconds:
+        if now - window_start >= window_s:
+            rates.append(window_samples / (now - window_start))
+            window_start, window_samples = now, 0
+        delivered = step()
+        samples += delivered
+        window_samples += delivered
+    elapsed = time.perf_counter() - start
+    after = _cpu_by_role(roles)
+    result = Result(size, method, procs, samples, elapsed, rates, {r: after[r] - before[r] for r in roles})
+    print(f"  {size.label:<8} {method:<18} x{procs}: {result.rate:>12,.0f} samples/s "
+          f"{result.gb_per_s:6.2f} GB/s", file=sys.stderr, flush=True)
+    return result
+
+
+def _batch(size: Size) -> torch.Tensor:
+    return torch.empty((size.batch_size, size.sample_bytes), dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------- methods
+def bench_memcpy(size: Size, seconds: float, ring: torch.Tensor) -> Iterator[Result]:
+    """One thread: batch.copy_(next B samples of a cold source ring)."""
+    source = ring.view(-1, size.sample_bytes)
+    num_batches = source.shape[0] // size.batch_size
+    batch, position = _batch(size), 0
+
+    def step() -> int:
+        nonlocal position
+        start = position * size.batch_size
+        batch.copy_(source[start:start + size.batch_size])
+        position = (position + 1) % num_batches
+        return size.batch_size
+
+    yield measure(size, "cold memcpy", 0, step, seconds, {"consumer": [os.getpid()]})
+
+
+def bench_queue(size: Size, seconds: float) -> Iterator[Result]:
+    """1, then 2 processes put tensors on a torch.multiprocessing.Queue."""
+    samples = SPAWN.Queue(maxsize=2 * size.batch_size)
+    batch = _batch(size)
+
+    def step() -> int:
+        for i in range(size.batch_size):
+            batch[i].copy_(samples.get(timeout=FIRST_BATCH_TIMEOUT_S))
+        return size.batch_size
+
+    try:
+        with Children() as kids:
+            producers = []
+            for count in (1, 2):
+                producers.append(kids.start(run_queue_producer, samples, size.sample_bytes))
+                roles = {"consumer": [os.getpid()], "producers": list(producers)}
+                yield measure(size, "mp.Queue", count, step, seconds, roles)
+    finally:
+        samples.cancel_join_thread()
+        samples.close()
+
+
+def bench_dataloader(size: Size, seconds: float, num_workers: int = 2) -> Iterator[Result]:
+    """A DataLoader with ``num_workers`` spawned workers collating batches."""
+    loader = torch.utils.data.DataLoader(ConstantStream(size.sample_bytes), batch_size=size.batch_size,
+                                         num_workers=num_workers, multiprocessing_context="spawn")
+    batch = _batch(size)
+    batches = iter(loader)
+
+    def step() -> int:
+        batch.copy_(next(batches))
+        return size.batch_size
+
+    try:
+        roles = {"consumer": [os.getpid()], "producers": [w.pid for w in batches._workers]}
+        yield measure(size, "DataLoader", num_workers, step, seconds, roles)
+    finally:
+        batches._shutdown_workers()  # what the iterator's __del__ does, but now
+
+
+def bench_pipeline(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int,
+                   consumers: list[str]) -> Iterator[Result]:
+    """1, then 2 worker processes fill the student's slots; the student is this process."""
+    config = sample_config(size.sample_bytes)
+    with Children() as kids:
+        workers = []
+        for count in (1, 2):
+            workers.append(kids.start(run_worker, endpoints, size.sample_bytes, size.worker_batch))
+            roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
+            for consumer in consumers:
+                slots = size.slot_count if consumer == "client" else 1
+                with StudentClient(0, slots, config, endpoints["frontend"], endpoints["control"],
+                                   endpoints["control_pub"]) as client:
+                    client.hello()
+                    client.set_model(f"bench-{size.sample_bytes}")
+                    with _pipeline_step(size, client, config, endpoints, consumer) as step:
+                        yield measure(size, f"pipeline/{consumer}", count, step, seconds, roles)
+
+
+@contextlib.contextmanager
+def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpoints: dict[str, str],
+                   consumer: str) -> Iterator[Callable[[], int]]:
+    """The student's step: a DistillIterableDataset batch, or request_sample/release_slot."""
+    if consumer == "client":
+        batch = _batch(size)
+
+        def client_step() -> int:
+            for i in range(size.batch_size):
+                ref = client.request_sample(timeout_ms=FIRST_BATCH_TIMEOUT_S * 1000)
+                if ref is None:
+                    raise TimeoutError("no sample from the pipeline")
+                batch[i].copy_(ref.tensors["x"])
+                client.release_slot(ref.slot_id)
+            return size.batch_size
+
+        yield client_step
+        return
+    dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
+                                     endpoints["frontend"], batch_size=size.batch_size,
+                                     timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True)
+    batches = iter(dataset)
+    try:
+        yield lambda: len(next(batches)["x"])
+    finally:
+        batches.close()  # its pool unlinks the student's segment
+
+
+# --------------------------------------------------------------------------- report
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def print_throughput(results: list[Result]) -> None:
+    print(f"\n{'size':<8} {'method':<18} {'procs':>5} {'batch':>5} {'samples/s':>12} {'GB/s':>7} "
+          f"{'vs memcpy':>9} {'vs Queue':>9}")
+    for r in results:
+        memcpy = _best(results, r.size, "cold memcpy")
+        mpq = _best(results, r.size, "mp.Queue", procs=r.procs)
+        print(f"{r.size.label:<8} {r.method:<18} {r.procs or '-':>5} {r.size.batch_size:>5} "
+              f"{r.rate:>12,.0f} {r.gb_per_s:>7.2f} "
+              f"{_fmt(r.rate / memcpy.rate if memcpy else None):>9} "
+              f"{_fmt(r.rate / mpq.rate if mpq else None, 1):>9}")
+
+
+# The targets of this benchmark: size -> (reference, goal, stretch goal) for the best
+# pipeline's samples/s divided by the reference's.
+TARGETS = {"4 KiB": ("mp.Queue", 15.0, 25.0), "256 KiB": ("cold memcpy", 0.15, 0.3),
+           "4 MiB": ("cold memcpy", 0.5, 0.7)}
+
+
+def print_ratios(results: list[Result], sizes: tuple[Size, ...]) -> None:
+    print("\nbest pipeline cell / best cell of each baseline (same size, same run)")
+    print(f"{'size':<8} {'best pipeline':<22} {'/ memcpy':>9} {'/ mp.Queue':>11} {'/ DataLoader':>13}  target")
+    for size in sizes:
+        best = _best(results, size, "pipeline")
+        if best is None:
+            continue
+        ratios = {}
+        for method in ("cold memcpy", "mp.Queue", "DataLoader"):
+            reference = _best(results, size, method)
+            ratios[method] = best.rate / reference.rate if reference else None
+        print(f"{size.label:<8} {best.method + f' x{best.procs}':<22} {_fmt(ratios['cold memcpy']):>9} "
+              f"{_fmt(ratios['mp.Queue'], 1):>11} {_fmt(ratios['DataLoader'], 1):>13}  "
+              f"{_verdict(size, ratios)}")
+
+
+def _verdict(size: Size, ratios: dict[str, float | None]) -> str:
+    if size.label not in TARGETS:
+        return "-"
+    reference, goal, stretch = TARGETS[size.label]
+    ratio = ratios[reference]
+    if ratio is None:
+        return f"(no {reference} cell)"
+    return (f"/ {reference} >= {goal:g}: {'met' if ratio >= goal else 'MISSED'}; "
+            f"stretch {stretch:g}: {'met' if ratio >= stretch else 'not met'}")
+
+
+def _best(results: list[Result], size: Size, method: str, procs: int | None = None) -> Result | None:
+    found = [r for r in results if r.size == size and r.method.startswith(method)
+             and (procs is None or r.procs == procs)]
+    if not found and procs is not None:
+        return _best(results, size, method)
+    return max(found, key=lambda r: r.rate, default=None)
+
+
+def print_cpu(results: list[Result]) -> None:
+    cores = os.cpu_count() or 1
+    print("\nCPU time per delivered sample (us) over the measuring window, by process role "
+          "(pipeline: producers = workers, consumer = student);")
+    print(f"budget = {cores} cores x wall time per sample: total near budget means CPU-bound")
+    print(f"{'size':<8} {'method':<18} {'procs':>5} {'broker':>9} {'producers':>10} {'consumer':>9} "
+          f"{'total':>9} {'budget':>9}")
+    for r in results:
+        roles = [r.us_per_sample(role) for role in ("broker", "producers", "consumer")]
+        total = sum(v for v in roles if v is not None)
+        budget = cores * r.seconds / r.samples * 1e6
+        print(f"{r.size.label:<8} {r.method:<18} {r.procs or '-':>5} {_fmt(roles[0]):>9} "
+              f"{_fmt(roles[1]):>10} {_fmt(roles[2]):>9} {total:>9.2f} {budget:>9.2f}")
+
+
+# --------------------------------------------------------------------------- main
+def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_bytes: int) -> list[Result]:
+    """Every method for every size; one broker process serves all pipeline cells."""
+    results: list[Result] = []
+    ring = None
+    if "memcpy" in methods:
+        ring = torch.empty(ring_bytes, dtype=torch.uint8)
+        ring.fill_(1)  # touch every page once, outside any window
+    consumers = [c for c in ("dataset", "client") if c in methods]
+    sock_dir = tempfile.mkdtemp(prefix="distill-bench-")
+    endpoints = {name: f"ipc://{sock_dir}/{name}.sock"
+                 for name in ("frontend", "backend", "control", "control_pub")}
+    try:
+        with Children() as shared:
+            broker_pid = shared.start(run_broker, endpoints) if consumers else 0
+            for size in sizes:
+                cells: list[Result] = []
+                if ring is not None:  # the reference: its faster half, before or after the others
+                    cells += bench_memcpy(size, seconds / 2, ring)
+                if "queue" in methods:
+                    cells += bench_queue(size, seconds)
+                if "dataloader" in methods:
+                    cells += bench_dataloader(size, seconds)
+                if consumers:
+                    cells += bench_pipeline(size, seconds, endpoints, broker_pid, consumers)
+                if ring is not None:
+                    cells[0] = max(cells[0], *bench_memcpy(size, seconds / 2, ring), key=lambda r: r.rate)
+                results += cells
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return results
+
+
+def _leftover_segments() -> list[str]:
+    return [name for name in list_segments() if f"_{os.getpid()}_" in name]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short windows, small ring (smoke test)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
+    parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
+    parser.add_argument("--methods", default="memcpy,queue,dataloader,dataset,client",
+                        help="comma-separated subset of: memcpy, queue, dataloader, dataset, client")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    seconds = args.seconds or (QUICK_SECONDS if args.quick else DEFAULT_SECONDS)
+    wanted = {s.strip().replace(" ", "") for s in args.sizes.split(",")}
+    sizes = tuple(s for s in SIZES if s.label.replace(" ", "") in wanted)
+    methods = {m.strip() for m in args.methods.split(",")}
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleanup runs on SIGTERM too
+    logging.getLogger("distill").setLevel(logging.WARNING)
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    try:
+        results = run_all(sizes, methods, seconds, QUICK_RING_BYTES if args.quick else RING_BYTES)
+    except KeyboardInterrupt:
+        print("\ninterrupted: children stopped, shared memory released", file=sys.stderr)
+        return 130
+    finally:
+        for name in _leftover_segments():  # never expected: pools unlink their own
+            print(f"warning: removing leftover {SHM_DIR}/{name}", file=sys.stderr)
+            os.unlink(os.path.join(SHM_DIR, name))
+    print(f"distill pipeline benchmark: {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{seconds:g} s per cell (median of {SUB_WINDOWS} sub-windows), 1 torch thread per process, "
+          f"spawn; every consumer copies each sample once into a training batch; "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print_throughput(results)
+    print_ratios(results, sizes)
+    print_cpu(results)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Faults the base pipeline must survive: a worker killed mid-batch, a generator that
+always fails, and the reused-batch fast path used where it would be unsafe."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker
+from distill.pipeline import client as client_module
+from tests import peers
+
+
+def test_worker_killed_mid_batch_its_slots_are_redone(procs, endpoints, broker_kwargs, tmp_path: Path) -> None:
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    busy = tmp_path / "busy"
+    frozen = procs.start(peers.run_freezing_worker, endpoints, str(busy), name="frozen")
+    with StudentClient(0, 8, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"], heartbeat_interval_s=0.2) as client:
+        client.hello()
+        generation = client.set_model("m")
+        assert client.request_sample(timeout_ms=100) is None  # all 8 slots are with the frozen worker
+        deadline = time.monotonic() + 60
+        while not busy.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy.exists()
+        procs.start(peers.run_worker, endpoints, name="healthy", heartbeat_interval_s=0.2)
+        os.kill(frozen.pid, signal.SIGKILL)
+        seen = set()
+        while len(seen) < 50:
+            ref = client.request_sample(timeout_ms=20_000)
+            assert ref is not None, "slots of the killed worker were never redone"
+            assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
+            assert ref.request_id not in seen
+            seen.add(ref.request_id)
+            client.release_slot(ref.slot_id)
+    assert broker.stats.requeued >= 1
+    broker.stop()
+
+
+def test_a_generator_that_always_fails_ends_in_a_clear_error(monkeypatch, endpoints, broker_kwargs) -> None:
+    monkeypatch.setattr(client_module, "BACKOFF_MAX_S", 0.01)
+    monkeypatch.setattr(client_module, "MAX_CONSECUTIVE_FAILURES", 40)
+    broker = Broker(**broker_kwargs).start()
+
+    def broken(model_id: str, model_cfg: dict | None) -> bytes:
+        raise OSError("disk on fire")
+
+    worker = Worker(generator_fn=broken, slot_size=peers.batch_config().nbytes(),
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"]).start()
+    with StudentClient(0, 4, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"]) as client:
+        client.hello()
+        client.set_model("m")
+        with pytest.raises(RuntimeError, match="failed 40 fills in a row"):
+            for _ in range(1000):
+                client.request_sample(timeout_ms=200)
+    worker.stop()
+    broker.stop()
+    assert broker.stats.failed >= 40
+
+
+def test_reused_batches_are_exact_and_refused_in_dataloader_workers(endpoints, broker_kwargs) -> None:
+    broker = Broker(**broker_kwargs).start()
+    worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(),
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"]).start()
+    with StudentClient(0, 1, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"]) as client:
+        client.hello()
+        client.set_model("m")
+        dataset = DistillIterableDataset(0, client.generation_value, 16, peers.batch_config(),
+                                         endpoints["frontend"], batch_size=8, reuse_batches=True,
+                                         with_meta=True, timeout_s=30)
+        it = iter(dataset)
+        first = next(it)
+        x_ptr = first["x"].data_ptr()
+        for _ in range(5):
+            batch = next(it)
+            assert batch["x"].data_ptr() == x_ptr  # the same tensors, refilled
+            for x, req, gen in zip(batch["x"], batch["request_id"], batch["generation"], strict=True):
+                assert torch.equal(x, peers.expected_x(int(req), int(gen)))
+        it.close()
+        loader = DataLoader(dataset, batch_size=None, num_workers=1)
+        with pytest.raises(ValueError, match="reuse_batches"):
+            next(iter(loader))
+    worker.stop()
+    broker.stop()
