@@ -87,7 +87,7 @@ class StudentConfig:
     layers: list[int] | None = None
     """Teacher layers to replace; null = all."""
     layers_per_stage: int = 1
-    steps_per_stage: int = 60
+    steps_per_stage: int = 200
     micro_batch_size: int = 8
     grad_accum_steps: int = 1
     lr: float = 3e-3
