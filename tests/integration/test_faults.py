@@ -91,3 +91,26 @@ def test_reused_batches_are_exact_and_refused_in_dataloader_workers(endpoints, b
             next(iter(loader))
     worker.stop()
     broker.stop()
+
+
+def test_broker_killed_and_restarted_everyone_rejoins(procs, endpoints) -> None:
+    broker = procs.start(peers.run_broker, endpoints, name="broker")
+    procs.start(peers.run_worker, endpoints, name="worker", heartbeat_interval_s=0.2)
+    with StudentClient(0, 8, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"], heartbeat_interval_s=0.2) as client:
+        client.hello()
+        generation = client.set_model("layer_3")
+
+        def consume(count: int) -> None:
+            for _ in range(count):
+                ref = client.request_sample(timeout_ms=30_000)
+                assert ref is not None, "no sample after the broker came back"
+                assert ref.generation == generation  # the run's model and generation survived
+                assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, ref.generation))
+                client.release_slot(ref.slot_id)
+
+        consume(100)
+        os.kill(broker.pid, signal.SIGKILL)
+        broker.join(10)
+        procs.start(peers.run_broker, endpoints, name="broker2")
+        consume(100)
