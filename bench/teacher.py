@@ -1,0 +1,375 @@
+"""Teacher-target throughput: the pipeline versus a bare capture loop, and what a stage costs.
+
+A small Llama teacher (hidden 256, 4 layers, 4 heads, vocab 1024, seq_len 128,
+random weights from a fixed seed, built identically in every process) produces
+per-layer targets with ``distill.teacher_worker.TeacherTargets``: ONE truncated
+``Teacher.capture`` per batch, then each sample's boundary hidden states copied
+into its destination. This prints, in one run:
+
+1. ``pipeline vs bare``: samples/s of stage-``l`` targets (default l=0, the
+   cheapest stage, so the transport's share is largest) at worker batch sizes
+   B = 4, 8, 16, delivered through the whole pipeline -- a ``Broker`` process,
+   1 ``Worker`` process with ``TeacherTargets`` as ``batch_fn`` and
+   ``max_batch=B``, and a student (this process) taking batches from
+   ``DistillIterableDataset(batch_size=B, reuse_batches=True)``, i.e. copying
+   every sample once into its batch tensors -- against the SAME ``TeacherTargets``
+   called in a bare loop in this process on the same batches, writing into a
+   preallocated tensor (no pipeline). The ratio pipeline/bare is the transport's
+   cost; the target is >= 0.9 at the teacher's best batch size.
+2. ``cost by target layer``: bare ``Teacher.capture`` time per sample for a stage
+   training layer l alone, l = 0..L-1, relative to a full forward of all L layers
+   (the base model, no lm_head); expected (l+1)/L since capture stops after layer l.
+3. ``layers_per_stage``: with k = 1, 2, 4 layers per stage, bare loop time per
+   trained layer (all stages of ``plan_stages``, summed, over L) relative to k=1.
+   With truncation the model is (L/k+1)/(L+1), not 1/k: stage i of k layers runs
+   (i+1)*k layers, so the savings come from fewer, not cheaper, passes.
+
+Fairness: every process runs torch with 1 thread (the worker and the bare loop
+each use one of the 2 cores; the broker and the student share the other), the
+bare loop is measured while no worker runs, and both sides do the same
+``TeacherTargets`` work on the same request ids. Each cell warms up, then measures
+for ``--seconds`` cut in sub-windows and reports the median sub-window rate.
+Processes are started with ``spawn``.
+
+Run it from the repository root::
+
+    python bench/teacher.py            # full tables, about 2-3 minutes
+    python bench/teacher.py --quick    # smoke run, well under a minute
+
+Ctrl-C stops it cleanly: child processes are stopped, this run's /dev/shm/dst_*
+segments unlinked, IPC sockets removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing
+
+from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker, setup_logging
+from distill.pipeline.mediums.shm import SHM_DIR, list_segments
+from distill.stages import Stage, plan_stages, sample_batch_config
+from distill.teacher import Teacher
+from distill.teacher_worker import TeacherTargets
+
+SPAWN = torch.multiprocessing.get_context("spawn")
+PR_SET_PDEATHSIG = 1
+SEED = 0
+HIDDEN, LAYERS, HEADS, VOCAB, SEQ_LEN = 256, 4, 4, 1024, 128
+TRAIN_CHUNKS = 1024
+DTYPE = "float32"
+BATCH_SIZES = (4, 8, 16)
+SUB_WINDOWS = 6
+DEFAULT_SECONDS, QUICK_SECONDS = 5.0, 1.0
+FIRST_BATCH_TIMEOUT_S = 120.0
+
+
+# --------------------------------------------------------------------------- the teacher
+def build_teacher() -> tuple[Teacher, torch.Tensor]:
+    """The seeded random Llama teacher and its train chunks (identical in every process)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ_LEN, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(config)
+        train_NT = torch.randint(0, VOCAB, (TRAIN_CHUNKS, SEQ_LEN), dtype=torch.int64)
+    return Teacher(model, "cpu"), train_NT
+
+
+@dataclass
+class _Target:
+    """What ``TeacherTargets`` reads of a ``SlotTarget``: a request id and tensors to fill."""
+
+    request_id: int
+    tensors: dict[str, torch.Tensor]
+
+
+class BareLoop:
+    """``TeacherTargets`` called directly, writing into one preallocated batch tensor."""
+
+    def __init__(self, targets_fn: TeacherTargets, stage: Stage, batch_size: int) -> None:
+        self.fn, self.stage, self.batch_size = targets_fn, stage, batch_size
+        self.input_ids_BT = torch.empty((batch_size, SEQ_LEN), dtype=torch.int64)
+        self.hidden_BPTD = torch.empty((batch_size, len(stage.positions), SEQ_LEN, HIDDEN))
+        self.next_id = 0
+
+    def __call__(self) -> int:
+        targets = [_Target(self.next_id + i, {"input_ids": self.input_ids_BT[i], "hidden": self.hidden_BPTD[i]})
+                   for i in range(self.batch_size)]
+        self.next_id += self.batch_size
+        self.fn(self.stage.model_id, self.stage.model_cfg, targets)
+        return self.batch_size
+
+
+def capture_step(teacher: Teacher, train_NT: torch.Tensor, layers: list[int] | None,
+                 batch_size: int) -> Callable[[], int]:
+    """One batched ``Teacher.capture`` of ``layers`` (None: a full forward of the base model)."""
+    state = {"row": 0}
+
+    def step() -> int:
+        row = state["row"]
+        state["row"] = (row + batch_size) % (len(train_NT) - batch_size)
+        input_ids_BT = train_NT[row:row + batch_size]
+        if layers is None:
+            with torch.no_grad():
+                teacher.model.base_model(input_ids=input_ids_BT, use_cache=False)
+        else:
+            teacher.capture(input_ids_BT, layers)
+        return batch_size
+
+    return step
+
+
+# --------------------------------------------------------------------------- measuring
+def measure(step: Callable[[], int], seconds: float, label: str) -> float:
+    """Median samples/s over sub-windows of ``seconds``, after a warm-up."""
+    step()  # the first call may wait for a worker to start
+    warm_until = time.perf_counter() + max(0.3, seconds / 5)
+    while time.perf_counter() < warm_until:
+        step()
+    rates, window_s = [], seconds / SUB_WINDOWS
+    start = window_start = time.perf_counter()
+    window_samples = 0
+    while (now := time.perf_counter()) - start < seconds:
+        if now - window_start >= window_s:
+            rates.append(window_samples / (now - window_start))
+            window_start, window_samples = now, 0
+        window_samples += step()
+    if window_samples and not rates:
+        rates.append(window_samples / (time.perf_counter() - window_start))
+    rate = statistics.median(rates)
+    print(f"  {label:<40} {rate:9.1f} samples/s", file=sys.stderr, flush=True)
+    return rate
+
+
+# --------------------------------------------------------------------------- child processes
+def _child_init(parent_pid: int) -> None:
+    """Every child: die with the parent, leave Ctrl-C to it, exit at once on SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    torch.set_num_threads(1)
+    setup_logging("WARNING")
+
+
+def run_broker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
+    _child_init(parent_pid)
+    broker = Broker(**{f"{name}_endpoint": ep for name, ep in endpoints.items()})
+    ready.set()
+    broker.run()
+
+
+def run_worker(parent_pid: int, ready, endpoints: dict[str, str], num_positions: int, max_batch: int) -> None:
+    _child_init(parent_pid)
+    teacher, train_NT = build_teacher()
+    worker = Worker(batch_fn=TeacherTargets(teacher, train_NT, SEED),
+                    batch_config=sample_batch_config(num_positions, SEQ_LEN, HIDDEN, DTYPE),
+                    max_batch=max_batch, backend_endpoint=endpoints["backend"],
+                    control_pub_endpoint=endpoints["control_pub"])
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE
+    ready.set()
+    worker.run()
+
+
+class Children:
+    """Spawned children, each started once ready, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    pids: set[int] = set()
+    """Every child pid of this run, for the shared-memory sweep at the end."""
+
+    def __init__(self) -> None:
+        self.procs: list = []
+
+    def start(self, target: Callable, *args: object) -> int:
+        ready = SPAWN.Event()
+        proc = SPAWN.Process(target=target, args=(os.getpid(), ready, *args), daemon=True)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is ours alone
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.procs.append(proc)
+        Children.pids.add(proc.pid)
+        while not ready.wait(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with code {proc.exitcode}")
+        return proc.pid
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(3)
+
+
+@contextlib.contextmanager
+def pipeline_step(endpoints: dict[str, str], stage: Stage, batch_size: int) -> Iterator[Callable[[], int]]:
+    """A worker with ``max_batch=B`` and a student taking batches of B from the dataset."""
+    config = sample_batch_config(len(stage.positions), SEQ_LEN, HIDDEN, DTYPE)
+    slots = 4 * batch_size
+    with Children() as kids:
+        kids.start(run_worker, endpoints, len(stage.positions), batch_size)
+        with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"]) as client:
+            client.hello()
+            client.set_model(stage.model_id, stage.model_cfg)
+            dataset = DistillIterableDataset(0, client.generation_value, slots, config, endpoints["frontend"],
+                                             batch_size=batch_size, timeout_s=FIRST_BATCH_TIMEOUT_S,
+                                             reuse_batches=True)
+            batches = iter(dataset)
+            try:
+                yield lambda: len(next(batches)["hidden"])
+            finally:
+                batches.close()  # its pool unlinks the student's segment
+
+
+# --------------------------------------------------------------------------- the three tables
+def table_pipeline(teacher: Teacher, train_NT: torch.Tensor, layer: int, batch_sizes: tuple[int, ...],
+                   seconds: float) -> list[tuple[int, float, float]]:
+    stage = Stage(0, (layer,))
+    rows = []
+    sock_dir = tempfile.mkdtemp(prefix="distill-bench-teacher-")
+    endpoints = {name: f"ipc://{sock_dir}/{name}.sock" for name in ("frontend", "backend", "control", "control_pub")}
+    try:
+        with Children() as shared:
+            shared.start(run_broker, endpoints)
+            for batch_size in batch_sizes:
+                bare = measure(BareLoop(TeacherTargets(teacher, train_NT, SEED), stage, batch_size), seconds,
+                               f"bare     stage l={layer} B={batch_size}")
+                with pipeline_step(endpoints, stage, batch_size) as step:
+                    piped = measure(step, seconds, f"pipeline stage l={layer} B={batch_size}")
+                rows.append((batch_size, bare, piped))
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return rows
+
+
+def table_layers(teacher: Teacher, train_NT: torch.Tensor, batch_size: int,
+                 seconds: float) -> tuple[float, list[tuple[int, float, float]]]:
+    full = measure(capture_step(teacher, train_NT, None, batch_size), seconds, f"full forward B={batch_size}")
+    rows = []
+    for layer in range(teacher.num_layers):
+        capture = measure(capture_step(teacher, train_NT, [layer], batch_size), seconds,
+                          f"capture l={layer} B={batch_size}")
+        bare = measure(BareLoop(TeacherTargets(teacher, train_NT, SEED), Stage(0, (layer,)), batch_size), seconds,
+                       f"bare loop l={layer} B={batch_size}")
+        rows.append((layer, capture, bare))
+    return full, rows
+
+
+def table_stages(teacher: Teacher, train_NT: torch.Tensor, batch_size: int, seconds: float,
+                 ks: tuple[int, ...]) -> list[tuple[int, int, float]]:
+    """k -> (stages, seconds of teacher work per sample per trained layer)."""
+    rows = []
+    for k in ks:
+        stages = plan_stages(teacher.num_layers, None, k)
+        s_per_sample = 0.0
+        for stage in stages:
+            rate = measure(BareLoop(TeacherTargets(teacher, train_NT, SEED), stage, batch_size),
+                           seconds / len(stages) * (1 + (k > 1)), f"bare loop k={k} {stage.model_id}")
+            s_per_sample += 1 / rate
+        rows.append((k, len(stages), s_per_sample / teacher.num_layers))
+    return rows
+
+
+# --------------------------------------------------------------------------- main
+def _sweep_segments() -> None:
+    """Unlink this run's leftover dst_* segments (never expected: pools unlink their own)."""
+    pids = {os.getpid(), *Children.pids}
+    for name in list_segments():
+        if any(f"_{pid}_" in name for pid in pids):
+            print(f"warning: removing leftover {SHM_DIR}/{name}", file=sys.stderr)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short windows (smoke test)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
+    parser.add_argument("--layer", type=int, default=0, help="the target layer of table 1 (default 0)")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
+                        help="comma-separated worker batch sizes of table 1")
+    args = parser.parse_args(argv)
+    seconds = args.seconds or (QUICK_SECONDS if args.quick else DEFAULT_SECONDS)
+    batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleanup runs on SIGTERM too
+    logging.getLogger("distill").setLevel(logging.WARNING)
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    teacher, train_NT = build_teacher()
+    try:
+        piped = table_pipeline(teacher, train_NT, args.layer, batch_sizes, seconds)
+        best_batch = max(piped, key=lambda r: r[1])[0]
+        full, layers = table_layers(teacher, train_NT, best_batch, seconds / 2)
+        stages = table_stages(teacher, train_NT, best_batch, seconds, (1, 2, 4))
+    except KeyboardInterrupt:
+        print("\ninterrupted: children stopped, shared memory released", file=sys.stderr)
+        return 130
+    finally:
+        _sweep_segments()
+
+    L = teacher.num_layers
+    print(f"distill teacher benchmark: Llama hidden {HIDDEN}, {L} layers, {HEADS} heads, vocab {VOCAB}, "
+          f"seq_len {SEQ_LEN}, {DTYPE}, random weights (seed {SEED}); {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, 1 torch thread in every process, spawn; {seconds:g} s per cell "
+          f"(median of {SUB_WINDOWS} sub-windows); load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
+    print(f"\n1) stage l={args.layer} targets: pipeline (broker + 1 worker, TeacherTargets, max_batch=B; "
+          f"student copies each batch) vs the same TeacherTargets in a bare loop")
+    print(f"{'B':>4} {'bare samples/s':>15} {'pipeline samples/s':>19} {'pipeline/bare':>14}")
+    for batch_size, bare, pipe in piped:
+        mark = "  <- teacher's best B" if batch_size == best_batch else ""
+        print(f"{batch_size:>4} {bare:>15.1f} {pipe:>19.1f} {pipe / bare:>14.2f}{mark}")
+    ratio = next(p / b for bs, b, p in piped if bs == best_batch)
+    print(f"target pipeline/bare >= 0.9 at the teacher's best B={best_batch}: "
+          f"{ratio:.2f} {'met' if ratio >= 0.9 else 'MISSED'}")
+
+    print(f"\n2) cost by target layer (bare, B={best_batch}): capture of layer l alone vs a full forward "
+          f"of all {L} layers ({1e3 / full:.2f} ms/sample)")
+    print(f"{'l':>3} {'capture ms/sample':>18} {'vs full':>8} {'(l+1)/L':>8} {'bare loop ms/sample':>20}")
+    for layer, capture, bare in layers:
+        print(f"{layer:>3} {1e3 / capture:>18.2f} {full / capture:>8.2f} {(layer + 1) / L:>8.2f} "
+              f"{1e3 / bare:>20.2f}")
+
+    print(f"\n3) layers_per_stage=k (bare loop, B={best_batch}, all stages of plan_stages): teacher time "
+          f"per sample per trained layer")
+    print(f"{'k':>3} {'stages':>7} {'ms/sample/layer':>16} {'vs k=1':>7} {'1/k':>6} {'(L/k+1)/(L+1)':>14}")
+    base = stages[0][2]
+    for k, count, per_layer in stages:
+        print(f"{k:>3} {count:>7} {1e3 * per_layer:>16.2f} {per_layer / base:>7.2f} {1 / k:>6.2f} "
+              f"{(L / k + 1) / (L + 1):>14.2f}")
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
