@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -64,26 +63,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing
 import torch.utils.data
+from children import SPAWN, Children, child_init, run_broker  # bench/children.py
 
 from distill.pipeline import (
     BatchConfig,
-    Broker,
     DistillIterableDataset,
     StudentClient,
     TensorSpec,
     Worker,
-    setup_logging,
 )
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
 
-SPAWN = torch.multiprocessing.get_context("spawn")
 RING_BYTES = 1 << 30
 QUICK_RING_BYTES = 256 << 20
 DEFAULT_SECONDS = 4.0
 QUICK_SECONDS = 0.3
 SUB_WINDOWS = 8
 FIRST_BATCH_TIMEOUT_S = 30.0
-PR_SET_PDEATHSIG = 1
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -169,20 +165,8 @@ class ConstantStream(torch.utils.data.IterableDataset):
 
 
 # --------------------------------------------------------------------------- child processes
-def _child_init(parent_pid: int) -> None:
-    """Every child: die with the parent, leave Ctrl-C to it, exit at once on SIGTERM."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    torch.set_num_threads(1)
-    setup_logging("WARNING")
-
-
 def run_queue_producer(parent_pid: int, ready, samples: queue.Queue, sample_bytes: int) -> None:
-    _child_init(parent_pid)
+    child_init(parent_pid)
     ready.set()
     counter = 0
     while True:
@@ -192,57 +176,14 @@ def run_queue_producer(parent_pid: int, ready, samples: queue.Queue, sample_byte
         samples.put(sample)
 
 
-def run_broker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
-    _child_init(parent_pid)
-    broker = Broker(**{f"{name}_endpoint": ep for name, ep in endpoints.items()})
-    ready.set()
-    broker.run()
-
-
 def run_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int,
                max_batch: int) -> None:
-    _child_init(parent_pid)
+    child_init(parent_pid)
     worker = Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes), max_batch=max_batch,
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE: the broker stays quiet
     ready.set()
     worker.run()
-
-
-class Children:
-    """Spawned children: started one by one (each says when it is ready), and stopped
-    (SIGTERM, then SIGKILL) when the block exits, however it exits."""
-
-    def __init__(self) -> None:
-        self.procs: list = []
-
-    def start(self, target: Callable, *args: object) -> int:
-        """Start ``target(parent_pid, ready, *args)``; returns its pid once it is ready."""
-        ready = SPAWN.Event()
-        proc = SPAWN.Process(target=target, args=(os.getpid(), ready, *args), daemon=True)
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is ours alone
-        try:
-            proc.start()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        self.procs.append(proc)
-        while not ready.wait(0.1):
-            if not proc.is_alive():
-                raise RuntimeError(f"{target.__name__} exited with code {proc.exitcode}")
-        return proc.pid
-
-    def __enter__(self) -> Children:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(3)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(3)
 
 
 # --------------------------------------------------------------------------- measuring

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -58,15 +57,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing
+from children import Children, child_init, run_broker  # bench/children.py
 
-from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker, setup_logging
+from distill.pipeline import DistillIterableDataset, StudentClient, Worker
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
 from distill.stages import Stage, plan_stages, sample_batch_config
 from distill.teacher import Teacher
 from distill.teacher_worker import TeacherTargets
 
-SPAWN = torch.multiprocessing.get_context("spawn")
-PR_SET_PDEATHSIG = 1
 SEED = 0
 HIDDEN, LAYERS, HEADS, VOCAB, SEQ_LEN = 256, 4, 4, 1024, 128
 TRAIN_CHUNKS = 1024
@@ -159,27 +157,8 @@ def measure(step: Callable[[], int], seconds: float, label: str) -> float:
 
 
 # --------------------------------------------------------------------------- child processes
-def _child_init(parent_pid: int) -> None:
-    """Every child: die with the parent, leave Ctrl-C to it, exit at once on SIGTERM."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    torch.set_num_threads(1)
-    setup_logging("WARNING")
-
-
-def run_broker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
-    _child_init(parent_pid)
-    broker = Broker(**{f"{name}_endpoint": ep for name, ep in endpoints.items()})
-    ready.set()
-    broker.run()
-
-
 def run_worker(parent_pid: int, ready, endpoints: dict[str, str], num_positions: int, max_batch: int) -> None:
-    _child_init(parent_pid)
+    child_init(parent_pid)
     teacher, train_NT = build_teacher()
     worker = Worker(batch_fn=TeacherTargets(teacher, train_NT, SEED),
                     batch_config=sample_batch_config(num_positions, SEQ_LEN, HIDDEN, DTYPE),
@@ -188,44 +167,6 @@ def run_worker(parent_pid: int, ready, endpoints: dict[str, str], num_positions:
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE
     ready.set()
     worker.run()
-
-
-class Children:
-    """Spawned children, each started once ready, stopped (SIGTERM, then SIGKILL) on exit."""
-
-    pids: set[int] = set()
-    """Every child pid of this run, for the shared-memory sweep at the end."""
-
-    def __init__(self) -> None:
-        self.procs: list = []
-
-    def start(self, target: Callable, *args: object) -> int:
-        ready = SPAWN.Event()
-        proc = SPAWN.Process(target=target, args=(os.getpid(), ready, *args), daemon=True)
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C is ours alone
-        try:
-            proc.start()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        self.procs.append(proc)
-        Children.pids.add(proc.pid)
-        while not ready.wait(0.1):
-            if not proc.is_alive():
-                raise RuntimeError(f"{target.__name__} exited with code {proc.exitcode}")
-        return proc.pid
-
-    def __enter__(self) -> Children:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(3)
 
 
 @contextlib.contextmanager
