@@ -17,23 +17,16 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertModel
 
 import distill
 from distill.assemble import SplicedLayer, export_student, load_student, splice
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.teacher_copy import TeacherCopy
 from distill.teacher import Teacher
+from tests.unit.tiny_teachers import tiny_bert, tiny_llama
 
 B, T, VOCAB = 2, 10, 64
-SMALL = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "initializer_range": 0.2,  # large weights: every layer matters to the output
-}
 CONF_DIR = Path(distill.__file__).parent / "conf" / "replacement"
 SMALL_OPTIONS = {"linear_attention": {"chunk_size": 4}}
 """Overrides so every option file builds on the tiny teachers (chunks shorter than T)."""
@@ -55,20 +48,11 @@ def _single_thread() -> Iterator[None]:
 
 
 def _llama(tie: bool = False) -> Teacher:
-    torch.manual_seed(0)
-    config = LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=tie)
-    return Teacher(LlamaForCausalLM(config))
+    return tiny_llama(VOCAB, num_layers=2, tie=tie)
 
 
 def _bert() -> Teacher:
-    torch.manual_seed(0)
-    config = BertConfig(
-        **SMALL,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return Teacher(BertModel(config))
+    return tiny_bert(VOCAB, num_layers=2)
 
 
 @pytest.fixture(scope="module")

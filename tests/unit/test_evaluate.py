@@ -16,22 +16,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 from distill.evaluate import EvalResult, evaluate, perplexity
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.teacher_copy import TeacherCopy
 from distill.teacher import Teacher
+from tests.unit.tiny_teachers import tiny_bert, tiny_llama
 
 N, T, VOCAB, NUM_LAYERS = 6, 12, 64, 3
-SMALL = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": NUM_LAYERS,
-    "num_attention_heads": 4,
-    "initializer_range": 0.2,
-}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,20 +37,12 @@ def _single_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def llama() -> Teacher:
-    torch.manual_seed(0)
-    return Teacher(LlamaForCausalLM(LlamaConfig(**SMALL, num_key_value_heads=2)))
+    return tiny_llama(VOCAB, NUM_LAYERS)
 
 
 @pytest.fixture(scope="module")
 def bert() -> Teacher:
-    torch.manual_seed(0)
-    config = BertConfig(
-        **SMALL,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return Teacher(BertModel(config))
+    return tiny_bert(VOCAB, NUM_LAYERS)
 
 
 @pytest.fixture(scope="module")
