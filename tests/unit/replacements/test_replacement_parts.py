@@ -9,8 +9,6 @@ I input features, O output features.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -22,16 +20,6 @@ from distill.replacements.linear_attention import (
     causal_linear_attention,
 )
 from distill.replacements.lowrank import LowRankLinear
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads; on a busy shared CPU, OpenMP
-    spin-waits make small matmuls and SVDs up to 100x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _naive_linear_attention(

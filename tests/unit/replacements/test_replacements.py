@@ -10,7 +10,6 @@ Shape legend: B batch, T sequence length, D hidden size.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +53,6 @@ REPLACEMENTS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
     "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
     "lowrank": (LowRankLayer, {"rank_fraction": 0.25}),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads; on a busy shared CPU, OpenMP
-    spin-waits make small matmuls and SVDs up to 100x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _tiny_teacher(family: str, dtype: torch.dtype = torch.float32) -> Teacher:
