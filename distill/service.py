@@ -16,7 +16,7 @@ from distill.runtime import configure_logging, endpoint_kwargs, endpoints, exit_
 log = logging.getLogger(__name__)
 
 STATS_COLUMNS = ("workers", "students", "queued", "in_flight", "completed", "discarded", "requeued",
-                 "failed", "completed_per_s")
+                 "quarantined", "failed", "completed_per_s")
 
 
 def run_broker(cfg: DictConfig) -> None:

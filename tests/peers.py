@@ -175,3 +175,31 @@ def run_freezing_worker(endpoints: dict[str, str], busy_file: str, heartbeat_int
 
     Worker(batch_fn=hang, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def run_zombie_worker(endpoints: dict[str, str], mid_write_file: str, heartbeat_interval_s: float = 0.2) -> None:
+    """A worker whose first batch writes half of each slot, announces it in
+    ``mid_write_file`` (the test freezes it there with SIGSTOP), then writes the
+    rest. What that batch writes is wrong (``-1``), so any of it that reaches a sample
+    a student yields is caught by ``expected_x``; later batches are correct."""
+    setup_logging("WARNING")
+
+    def torn(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        if os.path.exists(mid_write_file):
+            fill_targets(model_id, model_cfg, targets)
+            return
+        for target in targets:
+            x = target.tensors["x"]
+            x[: x.numel() // 2] = -1.0
+        with open(mid_write_file, "w") as f:
+            f.write(str(len(targets)))
+        time.sleep(2.0)  # frozen here; the sleep's deadline has passed when it resumes
+        for target in targets:
+            x = target.tensors["x"]
+            x[x.numel() // 2:] = -1.0
+            target.tensors["tag"].copy_(torch.tensor([target.request_id, target.generation]))
+        with open(mid_write_file + ".written", "w") as f:
+            f.write("late writes done")
+
+    Worker(batch_fn=torn, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()

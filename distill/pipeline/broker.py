@@ -15,6 +15,17 @@ Workers get credit-based flow control: READY says how many slots a worker can ho
 (absolute), each WORK spends credit, each DONE returns it. WORKs hold slots of one
 run (one model), up to the worker's ``max_batch``; runs are served round robin.
 
+A worker that misses its heartbeats may be frozen rather than dead (SIGSTOP, a
+swapped-out host) and resume writing later, so its in-flight slots are never
+handed to another worker: the students are told QUARANTINE (with the worker's
+process token) and re-issue those request ids in other slots; the broker sends
+RELEASE when the worker's late DONE shows it has finished with them, and a student
+frees them itself once the worker process is gone. A worker that says BYE has
+finished writing, so its unstarted work is simply re-queued.
+
+Only the leader switches a run's model: SET_MODEL carries the leader's epoch, and
+one older than the newest the run has seen (a stale leader) is refused.
+
 Slots travel through the broker in the groups they arrived in (a ``SlotRequests``
 per REQUEST, split only where a WORK ends), so the per-slot work of the broker is
 building the WORK and COMPLETE lists, nothing more.
@@ -44,6 +55,9 @@ log = logging.getLogger(__name__)
 DEFAULT_RUN = "default"
 MAX_QUEUED_PER_RUN = 1_000_000
 MAX_PURGED_REMEMBERED = 10_000
+MAX_ZOMBIE_WORKS = 10_000
+"""In-flight works of purged workers remembered for their late DONE; beyond this the
+oldest are forgotten (their students still free the slots when the process dies)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +90,8 @@ class WorkerPeer:
     max_batch: int
     last_seen: float
     in_flight: dict[int, Work] = field(default_factory=dict)
+    process: str | None = None
+    """The worker's process token (``liveness.process_token``), passed on in QUARANTINE."""
 
 
 @dataclass
@@ -97,6 +113,8 @@ class RunState:
     """Slots in ``queue``."""
     completed: int = 0
     discarded: int = 0
+    leader_epoch: int = 0
+    leader_id: str | None = None
 
 
 class Broker:
@@ -118,6 +136,7 @@ class Broker:
         self._workers: dict[str, WorkerPeer] = {}  # by peer_id
         self._students: dict[str, StudentPeer] = {}  # by peer_id
         self._purged_students: dict[str, None] = {}  # insertion-ordered set, bounded
+        self._zombie_works: dict[tuple[str, int], Work] = {}  # (worker peer_id, work_id), bounded
         self.instance_id = f"broker-{uuid.uuid4().hex[:12]}"  # changes on restart
         self._next_work_id = 1
         self._rr_runs: deque[str] = deque()
@@ -326,6 +345,7 @@ class Broker:
     # ------------------------------------------------------------------ control
     def _on_set_model(self, identity: bytes, body: dict) -> None:
         run = self._run(body["run_id"])
+        self._check_leader(run, body["leader_epoch"], body["peer_id"])
         restore = body.get("restore_generation")
         if restore is not None and restore >= run.generation:
             run.generation = restore  # a leader re-joining a restarted broker
@@ -339,6 +359,17 @@ class Broker:
         protocol.send(self._control, Command.MODEL_SET, {
             "run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
         }, identity=identity)
+
+    def _check_leader(self, run: RunState, epoch: int, peer_id: str) -> None:
+        """Accept the newest leader; refuse an older one, or a second one of the same epoch."""
+        if epoch < run.leader_epoch or (epoch == run.leader_epoch and peer_id != run.leader_id):
+            self._counters.refused += 1
+            raise ProtocolError(f"run {run.run_id}: {peer_id} (epoch {epoch}) is not the leader; "
+                                f"{run.leader_id} (epoch {run.leader_epoch}) is")
+        if peer_id != run.leader_id and run.leader_id is not None:
+            log.warning("run %s: leader %s (epoch %d) replaces %s (epoch %d)", run.run_id, peer_id,
+                        epoch, run.leader_id, run.leader_epoch)
+        run.leader_epoch, run.leader_id = epoch, peer_id
 
     def _on_stop(self, identity: bytes, body: dict) -> None:
         """Publish STOP to the workers (of one run, or all); answered with the stats."""
@@ -356,6 +387,7 @@ class Broker:
                 identity, body["peer_id"], 0, 1, time.monotonic())
             log.info("worker %s joined (credit %d)", peer.peer_id, body["credit"])
         peer.identity, peer.last_seen = identity, time.monotonic()
+        peer.process = body.get("process")
         peer.credit = body["credit"]
         peer.max_batch = max(1, body["max_batch"])
 
@@ -378,6 +410,10 @@ class Broker:
         log.warning("worker %r refused a message: %s", identity[:32], body["reason"])
 
     def _on_done(self, identity: bytes, body: dict) -> None:
+        zombie = self._zombie_works.pop((body["peer_id"], body["work_id"]), None)
+        if zombie is not None:  # late: its slots went to no one, and now they are safe
+            self._release(zombie)
+            return
         peer = self._workers.get(body["peer_id"])
         if peer is None:
             return  # a worker we declared dead: its slots were re-queued already
@@ -487,10 +523,10 @@ class Broker:
     def _purge(self) -> None:
         deadline = time.monotonic() - self.heartbeat_interval_s * self.heartbeat_liveness
         for peer in [w for w in self._workers.values() if w.last_seen < deadline]:
-            log.warning("worker %s missed %d heartbeats: re-queueing its %d slot(s)", peer.peer_id,
+            log.warning("worker %s missed %d heartbeats: quarantining its %d slot(s)", peer.peer_id,
                         self.heartbeat_liveness, sum(w.num_slots for w in peer.in_flight.values()))
             del self._workers[peer.peer_id]
-            self._requeue(peer)
+            self._quarantine(peer)
         for peer in [s for s in self._students.values() if s.last_seen < deadline]:
             log.warning("student %s missed %d heartbeats: dropping its requests", peer.peer_id,
                         self.heartbeat_liveness)
@@ -513,6 +549,34 @@ class Broker:
             self._counters.requeued += num_slots
         peer.in_flight.clear()
 
+    def _quarantine(self, peer: WorkerPeer) -> None:
+        """A silent worker may still write its slots: tell their students not to reuse them."""
+        live = {s.identity for s in self._students.values()}
+        for work in peer.in_flight.values():
+            by_student: dict[bytes, list[list[int]]] = {}
+            for request in work.requests:
+                if request.student in live:
+                    by_student.setdefault(request.student, []).extend(request.slots)
+            for student, rows in by_student.items():
+                protocol.send(self._frontend, Command.QUARANTINE, {"slots": rows, "process": peer.process},
+                              identity=student)
+                self._counters.quarantined += len(rows)
+            self._zombie_works[(peer.peer_id, work.work_id)] = work
+        peer.in_flight.clear()
+        while len(self._zombie_works) > MAX_ZOMBIE_WORKS:
+            self._zombie_works.pop(next(iter(self._zombie_works)))
+
+    def _release(self, work: Work) -> None:
+        """The late DONE of a quarantined work: its slots may be filled again (its data is not used)."""
+        log.warning("late DONE of work %d from a worker declared dead: releasing its %d slot(s)",
+                    work.work_id, work.num_slots)
+        by_student: dict[bytes, list[list[int]]] = {}
+        for request in work.requests:
+            by_student.setdefault(request.student, []).extend(request.slots)
+        for student, rows in by_student.items():
+            protocol.send(self._frontend, Command.RELEASE, {"slots": rows}, identity=student)
+            self._counters.released += len(rows)
+
     def _snapshot(self) -> BrokerStats:
         c = self._counters
         per_run = {r.run_id: {"generation": r.generation, "model_id": r.model_id, "queued": r.queued,
@@ -522,7 +586,8 @@ class Broker:
             queued=sum(r.queued for r in self._runs.values()),
             in_flight=sum(w.num_slots for p in self._workers.values() for w in p.in_flight.values()),
             requested=c.requested, dispatched=c.dispatched, completed=c.completed,
-            discarded=c.discarded, requeued=c.requeued, failed=c.failed, refused=c.refused,
+            discarded=c.discarded, requeued=c.requeued, quarantined=c.quarantined, released=c.released,
+            failed=c.failed, refused=c.refused,
             bad_messages=c.bad_messages, workers=len(self._workers), students=len(self._students),
             runs=len(self._runs), completed_per_s=self._completed_rate.rate(),
             requested_per_s=self._requested_rate.rate(), uptime_s=time.monotonic() - self._started_at,

@@ -41,6 +41,7 @@ from distill.pipeline.liveness import (
     HEARTBEAT_LIVENESS,
     Heartbeater,
     new_peer_id,
+    process_alive,
 )
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
 from distill.pipeline.protocol import Command, ProtocolError
@@ -117,7 +118,11 @@ class SlotPool:
         # a worker may derive the sample from the id (e.g. which chunk of data to use).
         self._next_request_id = secrets.randbits(40) << 16
         self.on_rejoin: Callable[[], None] | None = None
-        self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0}
+        self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0,
+                       "quarantined": 0, "released": 0}
+        self._quarantined: dict[int, str | None] = {}  # slot -> process token of its writer
+        self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
+        self._quarantine_checked = 0.0
         self._closed = False
         self._warned_silent = False
         self._consecutive_failures = 0
@@ -141,6 +146,11 @@ class SlotPool:
             if not 0 <= slot_idx < len(self._headers):
                 raise IndexError(f"slot {slot_idx} outside [0, {len(self._headers)})")
         clear_headers(self._headers, slot_idxs)
+        if self._reissue:
+            for slot_idx in slot_idxs:
+                self._pending[slot_idx] = self._new_request_id()
+            self._to_request.extend(slot_idxs)
+            return
         first = self._next_request_id
         self._pending.update(zip(slot_idxs, range(first, first + len(slot_idxs)), strict=True))
         self._next_request_id = first + len(slot_idxs)
@@ -148,9 +158,15 @@ class SlotPool:
 
     def _queue_request(self, slot_idx: int) -> None:
         clear_header(self.medium.slot_view(slot_idx))
-        self._pending[slot_idx] = self._next_request_id
-        self._next_request_id += 1
+        self._pending[slot_idx] = self._new_request_id()
         self._to_request.append(slot_idx)
+
+    def _new_request_id(self) -> int:
+        """A quarantined request's id first (so its sample is not lost), else a new one."""
+        if self._reissue:
+            return self._reissue.popleft()
+        self._next_request_id += 1
+        return self._next_request_id - 1
 
     def flush(self) -> None:
         if not self._to_request:
@@ -182,6 +198,8 @@ class SlotPool:
                     return got
             self.flush()
             self._check_broker()
+            if self._quarantined:
+                self._check_quarantine()
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
@@ -215,6 +233,10 @@ class SlotPool:
             self._on_complete(msg.body["generation"], msg.body["slots"])
         elif msg.command is Command.DISCARDED:
             self._on_discarded(msg.body["slots"])
+        elif msg.command is Command.QUARANTINE:
+            self._on_quarantine(msg.body["slots"], msg.body.get("process"))
+        elif msg.command is Command.RELEASE:
+            self._on_release(msg.body["slots"])
         elif msg.command is Command.ERROR:
             log.error("%s: broker refused %s: %s", self.peer_id, msg.body.get("command"),
                       msg.body["reason"])
@@ -282,6 +304,48 @@ class SlotPool:
             if self._pending.get(slot) == req:
                 self.counts["discarded"] += 1
                 self._queue_request(slot)
+
+    def _on_quarantine(self, rows: list[list[int]], process: str | None) -> None:
+        """A worker declared dead may still write these slots: keep them out of use and
+        ask for their samples in other slots."""
+        taken = 0
+        for slot, req in rows:
+            if self._pending.get(slot) == req:
+                del self._pending[slot]
+                self._quarantined[slot] = process
+                self._reissue.append(req)
+                taken += 1
+        if taken:
+            self.counts["quarantined"] += taken
+            log.warning("%s: %d slot(s) quarantined: their worker stopped answering and may still "
+                        "write them; %d of %d slots left in use", self.peer_id, taken,
+                        len(self._headers) - len(self._quarantined), len(self._headers))
+            self._reissue_now()
+
+    def _reissue_now(self) -> None:
+        """Slots already free (never requested) can carry re-issued requests at once."""
+        while self._reissue and self._free:
+            self._queue_request(self._free.popleft())
+
+    def _on_release(self, rows: list[list[int]]) -> None:
+        """The worker's late DONE: it is done with these slots."""
+        for slot, _req in rows:
+            self._unquarantine(slot)
+
+    def _unquarantine(self, slot: int) -> None:
+        if self._quarantined.pop(slot, False) is not False:
+            self.counts["released"] += 1
+            self._queue_request(slot)
+
+    def _check_quarantine(self) -> None:
+        """Free quarantined slots whose writer process is gone (checked once per beat)."""
+        now = time.monotonic()
+        if now - self._quarantine_checked < self._heart.interval_s:
+            return
+        self._quarantine_checked = now
+        for slot, process in list(self._quarantined.items()):
+            if process_alive(process) is False:
+                self._unquarantine(slot)
 
     def _check_broker(self) -> None:
         """After a broker restart (or it purged us) ask again for everything pending.
@@ -363,8 +427,11 @@ class StudentClient:
                  frontend_endpoint: str | None = None, control_endpoint: str | None = None,
                  control_pub_endpoint: str | None = None, *, run_id: str = DEFAULT_RUN,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, leader_epoch: int | None = None) -> None:
         self.student_rank = student_rank
+        # The newest leader of a run wins: a later start gets a larger epoch, so a
+        # leader left over from an earlier incarnation of the job is refused.
+        self.leader_epoch = time.time_ns() if leader_epoch is None else leader_epoch
         self.batch_config = batch_config
         self.run_id = run_id
         self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
@@ -427,8 +494,11 @@ class StudentClient:
         When this returns, no sample of an older generation is yielded by this client
         or by datasets sharing its ``generation_value``.
         """
+        if self.student_rank != 0:
+            raise RuntimeError(f"rank {self.student_rank} is not the leader: only rank 0 switches the "
+                               "model; other ranks call start_sub_listener() and wait_generation()")
         reply = self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": model_id,
-                                                  "model_cfg": model_cfg})
+                                                  "model_cfg": model_cfg, **self._leader()})
         if reply.command is not Command.MODEL_SET:
             raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
         self._note_generation(reply.body["generation"])
@@ -510,7 +580,10 @@ class StudentClient:
             log.warning("restoring model %s (generation %d) on the broker", self.model_id, self.generation)
             self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
                                               "model_cfg": self._model_cfg,
-                                              "restore_generation": self.generation})
+                                              "restore_generation": self.generation, **self._leader()})
+
+    def _leader(self) -> dict[str, Any]:
+        return {"leader_epoch": self.leader_epoch, "peer_id": self._pool.peer_id}
 
     def close(self) -> None:
         self._sub_stop.set()

@@ -10,6 +10,7 @@ answer that it has forgotten us. Either way the owner re-registers.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -95,3 +96,52 @@ class Heartbeater:
                 self.forgotten.set()
             self.broker_id = broker_id
 
+
+
+# --------------------------------------------------------------------------- processes
+def _host_scope() -> str:
+    """Where a pid means something: this boot of this kernel, this pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+    return f"{boot}/{pidns}"
+
+
+def _start_time(pid: int) -> tuple[int, str] | None:
+    """(start time in clock ticks since boot, state letter) of ``pid``, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the name in parentheses may hold spaces
+    return int(fields[19]), fields[0]
+
+
+def process_token(pid: int | None = None) -> str | None:
+    """A name for a process that no other process will ever have on this machine:
+    scope + pid + start time, so a recycled pid is not mistaken for the original."""
+    pid = os.getpid() if pid is None else pid
+    start = _start_time(pid)
+    if start is None:
+        return None
+    return f"{_host_scope()}:{pid}:{start[0]}"
+
+
+def process_alive(token: str | None) -> bool | None:
+    """Whether the process named by ``token`` still runs: None when this process
+    cannot tell (no token, or another machine or pid namespace)."""
+    if not token:
+        return None
+    scope, pid_text, started_text = (token.rsplit(":", 2) + ["", ""])[:3]
+    try:
+        pid, started = int(pid_text), int(started_text)
+    except ValueError:
+        return None
+    if scope != _host_scope() or scope == "unknown":
+        return None
+    now = _start_time(pid)
+    return now is not None and now[0] == started and now[1] not in ("Z", "X")

@@ -15,7 +15,8 @@ Frames of one message (after the ROUTER identity frame, when there is one)::
 Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
 
     Frontend ROUTER  S->B  HELLO, REQUEST, HEARTBEAT, STATS, BYE
-                     B->S  WELCOME, COMPLETE, DISCARDED, ERROR, STATS_REPLY
+                     B->S  WELCOME, COMPLETE, DISCARDED, QUARANTINE, RELEASE, ERROR,
+                           STATS_REPLY
     Backend  ROUTER  W->B  READY, DONE, HEARTBEAT, BYE
                      B->W  WORK, ERROR, RECONNECT
     Control  ROUTER  L->B  SET_MODEL, STOP, STATS
@@ -29,6 +30,13 @@ DONE can carry hundreds of slots cheaply:
     WORK.items     [[medium, slot_idx, stride, request_id], ...]
     DONE.failed    [[item_idx, reason], ...]               (items not written)
     COMPLETE.slots [[slot_idx, request_id, ok], ...]
+
+A worker that stops answering may still be writing into the slots it was given
+(frozen, not dead). Its slots are not handed to anyone else: the broker sends the
+student QUARANTINE (with the worker's process token, see ``liveness.process_token``),
+and RELEASE when the worker's late DONE proves it is done with them; the student
+also frees them itself once that process is gone. SET_MODEL carries the leader's
+epoch: a switch from an older epoch than the run has seen is refused.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ class Command(bytes, enum.Enum):
     DONE = b"DONE"
     COMPLETE = b"COMPLETE"
     DISCARDED = b"DISCARDED"
+    QUARANTINE = b"QUARANTINE"
+    RELEASE = b"RELEASE"
     SET_MODEL = b"SET_MODEL"
     MODEL_SET = b"MODEL_SET"
     MODEL = b"MODEL"
@@ -102,14 +112,16 @@ SCHEMA: dict[Command, dict[str, str]] = {
                       "heartbeat_interval_ms": "int"},
     Command.REQUEST: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
                       "stride": "int", "slots": "slots"},
-    Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int"},
+    Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
                    "model_cfg": "dict?", "items": "items"},
     Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed"},
     Command.COMPLETE: {"generation": "int", "slots": "done_slots"},
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
+    Command.QUARANTINE: {"slots": "slots", "process": "str?"},
+    Command.RELEASE: {"slots": "slots"},
     Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
-                        "restore_generation": "int?"},
+                        "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str"},
     Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
     Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
     Command.STOP: {"run_id": "str?"},

@@ -45,6 +45,10 @@ class BrokerStats:
     completed: int = 0
     discarded: int = 0
     requeued: int = 0
+    quarantined: int = 0
+    """Slots of workers declared dead that may still be written (not handed out again)."""
+    released: int = 0
+    """Quarantined slots freed by their worker's late DONE."""
     failed: int = 0
     refused: int = 0
     bad_messages: int = 0

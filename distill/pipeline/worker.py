@@ -37,7 +37,12 @@ import zmq
 from distill.pipeline import protocol
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
-from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, Heartbeater
+from distill.pipeline.liveness import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_LIVENESS,
+    Heartbeater,
+    process_token,
+)
 from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, header_table, payload_checksum, write_headers
@@ -189,8 +194,9 @@ class Worker:
             self._maybe_drop_segments()
 
     def _ready(self, sock: zmq.Socket) -> None:
+        # The process token lets a student whose slots we hold see when we are gone.
         protocol.send(sock, Command.READY, {"peer_id": self.peer_id, "credit": self.capacity,
-                                            "max_batch": self.max_batch})
+                                            "max_batch": self.max_batch, "process": process_token()})
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         log.warning("worker %s: broker %s; registering again", self.peer_id,

@@ -31,6 +31,7 @@ def test_worker_killed_mid_batch_its_slots_are_redone(procs, endpoints, broker_k
             time.sleep(0.05)
         assert busy.exists()
         procs.start(peers.run_worker, endpoints, name="healthy", heartbeat_interval_s=0.2)
+        held_by_killed = set(client._pool._pending.values())
         os.kill(frozen.pid, signal.SIGKILL)
         seen = set()
         while len(seen) < 50:
@@ -40,7 +41,68 @@ def test_worker_killed_mid_batch_its_slots_are_redone(procs, endpoints, broker_k
             assert ref.request_id not in seen
             seen.add(ref.request_id)
             client.release_slot(ref.slot_id)
-    assert broker.stats.requeued >= 1
+        assert held_by_killed <= seen, "requests of the killed worker were lost"
+        assert client._pool.counts["quarantined"] == 8
+        assert client._pool.counts["released"] == 8  # freed once the process was seen dead
+    assert broker.stats.quarantined == 8
+    broker.stop()
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_worker_resumed_late_never_corrupts_a_yielded_sample(procs, endpoints, broker_kwargs,
+                                                                      tmp_path: Path) -> None:
+    """SIGSTOP a worker in the middle of writing its slots until the broker declares it
+    dead, let another worker serve, then SIGCONT it: its late writes land only in
+    quarantined slots, its late DONE completes nothing, and its requests are redone."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    mid_write = tmp_path / "mid_write"
+    zombie = procs.start(peers.run_zombie_worker, endpoints, str(mid_write), name="zombie")
+    with StudentClient(0, 8, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"], heartbeat_interval_s=0.2) as client:
+        client.hello()
+        generation = client.set_model("m")
+        assert client.request_sample(timeout_ms=100) is None  # all 8 slots are with the zombie
+        _wait_for(mid_write.exists, 60, "the zombie to start writing")
+        os.kill(zombie.pid, signal.SIGSTOP)
+        held_by_zombie = set(client._pool._pending.values())
+        procs.start(peers.run_worker, endpoints, name="healthy", heartbeat_interval_s=0.2)
+        _wait_for(lambda: broker.stats.quarantined + broker.stats.requeued >= 8, 30, "the zombie's purge")
+        _wait_for(lambda: broker.stats.workers == 1, 60, "the healthy worker")
+
+        def verify(ref) -> None:
+            assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation)), \
+                f"slot {ref.slot_id} (request {ref.request_id}) holds a torn or foreign sample"
+
+        held = []  # whatever the healthy worker delivers while the zombie is frozen
+        while len(held) < 8 and (ref := client.request_sample(timeout_ms=1500)) is not None:
+            verify(ref)
+            held.append(ref)
+        os.kill(zombie.pid, signal.SIGCONT)
+        _wait_for((tmp_path / "mid_write.written").exists, 30, "the zombie's late writes")
+        for ref in held:  # the zombie wrote its second halves while these were held
+            verify(ref)
+        _wait_for(lambda: broker.stats.released >= 8, 30, "the zombie's late DONE")
+        seen = {ref.request_id for ref in held}
+        for ref in held:
+            client.release_slot(ref.slot_id)
+        while len(seen) < 40:
+            ref = client.request_sample(timeout_ms=20_000)
+            assert ref is not None, "slots were never filled again after the zombie came back"
+            verify(ref)
+            assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
+            seen.add(ref.request_id)
+            client.release_slot(ref.slot_id)
+        assert held_by_zombie <= seen, "requests the zombie held were lost"
+        assert client._pool.counts["released"] == 8
+    stats = broker.stats
+    assert stats.quarantined == 8 and stats.released == 8 and stats.failed == 0
     broker.stop()
 
 

@@ -25,7 +25,9 @@ VALID = {
                    "items": [["dst_a_1_0", 0, 4160, 9]]},
     Command.DONE: {"peer_id": "w", "work_id": 1, "num_items": 1, "failed": [[0, "boom"]]},
     Command.COMPLETE: {"generation": 1, "slots": [[0, 1, True]]},
-    Command.SET_MODEL: {"run_id": "r", "model_id": "layer_0"},
+    Command.SET_MODEL: {"run_id": "r", "model_id": "layer_0", "leader_epoch": 7, "peer_id": "student-1"},
+    Command.QUARANTINE: {"slots": [[3, 11]], "process": "boot/pid:[1]:42:99"},
+    Command.RELEASE: {"slots": [[3, 11]]},
 }
 
 
