@@ -199,11 +199,30 @@ class Worker:
                                             "max_batch": self.max_batch, "process": process_token()})
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
+        forgotten = heart.forgotten.is_set()
         log.warning("worker %s: broker %s; registering again", self.peer_id,
-                    "forgot us" if heart.forgotten.is_set() else "silent")
+                    "forgot us" if forgotten else "silent")
         heart.forgotten.clear()
         heart.last_heard = time.monotonic()
+        if forgotten:
+            self._give_back_queued(sock)
         self._ready(sock)
+
+    def _give_back_queued(self, sock: zmq.Socket) -> None:
+        """WORK still queued here was handed out before the broker forgot us (it
+        restarted, or declared us dead). Its slots may be asked for again by then, so
+        writing them now could race another worker: answer DONE without writing."""
+        while protocol.readable(sock):
+            try:
+                msg = protocol.recv(sock)
+            except ProtocolError:
+                continue
+            if msg.command is Command.WORK:
+                items = len(msg.body["items"])
+                protocol.send(sock, Command.DONE, {
+                    "peer_id": self.peer_id, "work_id": msg.body["work_id"], "num_items": items,
+                    "failed": [[idx, "stale"] for idx in range(items)],
+                })
 
     def _on_published(self, sub: zmq.Socket) -> bool:
         """Apply a MODEL or STOP broadcast; True when the worker must stop."""
