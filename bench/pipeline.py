@@ -16,6 +16,12 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   one ``index_select`` per ready chunk of slots), or with
   ``StudentClient.request_sample``, ``batch[i].copy_(ref.tensors["x"])`` and
   ``release_slot`` (``pipeline/client``: one copy per sample).
+- ``tcp pipeline``: the same with the network medium (``medium="tcp"``): the
+  workers are told not to map the student's segment, so every sample crosses
+  loopback TCP (worker staging buffer -> ZeroMQ -> the student's slot -> batch).
+- ``bare zmq``: what the network medium rides on, without it: 1 or 2 processes
+  PUSH samples over loopback TCP to a PULL socket in the consumer, which copies
+  each one into the batch. The network medium's reference.
 
 Every producer does the same minimal work per sample, ``fill_sample``: it fills
 the sample with one byte derived from a counter (one ``fill_`` call, every byte
@@ -63,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing
 import torch.utils.data
+import zmq
 from children import SPAWN, Children, child_init, run_broker  # bench/children.py
 
 from distill.pipeline import (
@@ -177,13 +184,29 @@ def run_queue_producer(parent_pid: int, ready, samples: queue.Queue, sample_byte
 
 
 def run_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int,
-               max_batch: int) -> None:
+               max_batch: int, local_shm: bool = True) -> None:
     child_init(parent_pid)
     worker = Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes), max_batch=max_batch,
-                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                    local_shm=local_shm)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE: the broker stays quiet
     ready.set()
     worker.run()
+
+
+def run_zmq_pusher(parent_pid: int, ready, endpoint: str, sample_bytes: int) -> None:
+    """Bare ZeroMQ: fill a fresh buffer per sample and PUSH it zero-copy, forever."""
+    child_init(parent_pid)
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 16)
+    sock.connect(endpoint)
+    ready.set()
+    counter = 0
+    while True:
+        sample = torch.empty(sample_bytes, dtype=torch.uint8)
+        fill_sample(sample, counter)
+        counter += 1
+        sock.send(sample.numpy(), copy=sample_bytes < 65536)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -328,9 +351,61 @@ def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpo
                                      timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True)
     batches = iter(dataset)
     try:
-        yield lambda: len(next(batches)["x"])
+        yield lambda it=batches: len(next(it)["x"])
     finally:
         batches.close()  # its pool unlinks the student's segment
+
+
+def bench_zmq(size: Size, seconds: float) -> Iterator[Result]:
+    """1, then 2 processes PUSH samples over loopback TCP; the consumer copies each into the batch."""
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 16)
+    pull.bind("tcp://127.0.0.1:*")
+    endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    batch = _batch(size)
+
+    def step() -> int:
+        for i in range(size.batch_size):
+            if not pull.poll(FIRST_BATCH_TIMEOUT_S * 1000):
+                raise TimeoutError("no sample from the pushers")
+            frame = pull.recv(copy=False)
+            batch[i].copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
+        return size.batch_size
+
+    try:
+        with Children() as kids:
+            pushers = []
+            for count in (1, 2):
+                pushers.append(kids.start(run_zmq_pusher, endpoint, size.sample_bytes))
+                roles = {"consumer": [os.getpid()], "producers": list(pushers)}
+                yield measure(size, "bare zmq", count, step, seconds, roles)
+    finally:
+        pull.close(linger=0)
+
+
+def bench_tcp_pipeline(size: Size, seconds: float, endpoints: dict[str, str],
+                       broker_pid: int) -> Iterator[Result]:
+    """The network medium: 1, then 2 workers that may not map the student's segment."""
+    config = sample_config(size.sample_bytes)
+    with Children() as kids:
+        workers = []
+        for count in (1, 2):
+            workers.append(kids.start(run_worker, endpoints, size.sample_bytes, size.worker_batch, False))
+            roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
+            with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
+                               endpoints["control_pub"]) as client:
+                client.hello()
+                client.set_model(f"bench-tcp-{size.sample_bytes}")
+                dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
+                                                 endpoints["frontend"], batch_size=size.batch_size,
+                                                 timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True,
+                                                 medium="tcp", tcp_host="127.0.0.1")
+                batches = iter(dataset)
+                try:
+                    yield measure(size, "tcp pipeline", count, lambda it=batches: len(next(it)["x"]), seconds,
+                                  roles)
+                finally:
+                    batches.close()
 
 
 # --------------------------------------------------------------------------- report
@@ -372,6 +447,25 @@ def print_ratios(results: list[Result], sizes: tuple[Size, ...]) -> None:
         print(f"{size.label:<8} {best.method + f' x{best.procs}':<22} {_fmt(ratios['cold memcpy']):>9} "
               f"{_fmt(ratios['mp.Queue'], 1):>11} {_fmt(ratios['DataLoader'], 1):>13}  "
               f"{_verdict(size, ratios)}")
+
+
+TCP_TARGET = 0.5
+"""The network medium's target: at 4 MiB, >= 0.5x the bare ZeroMQ PUSH/PULL rate."""
+
+
+def print_tcp_ratios(results: list[Result], sizes: tuple[Size, ...]) -> None:
+    print("\nnetwork medium: best tcp pipeline cell / best cell of the baselines (same size, same run)")
+    print(f"{'size':<8} {'tcp pipeline':>13} {'bare zmq':>13} {'/ bare zmq':>11} {'/ shm pipeline':>15}  target")
+    for size in sizes:
+        tcp, bare = _best(results, size, "tcp pipeline"), _best(results, size, "bare zmq")
+        if tcp is None:
+            continue
+        shm = _best(results, size, "pipeline")
+        ratio = tcp.rate / bare.rate if bare else None
+        verdict = "-" if size.label != "4 MiB" or ratio is None else (
+            f">= {TCP_TARGET:g}: {'met' if ratio >= TCP_TARGET else 'MISSED'}")
+        print(f"{size.label:<8} {tcp.rate:>13,.0f} {_fmt(bare.rate if bare else None, 0):>13} "
+              f"{_fmt(ratio):>11} {_fmt(tcp.rate / shm.rate if shm else None):>15}  {verdict}")
 
 
 def _verdict(size: Size, ratios: dict[str, float | None]) -> str:
@@ -422,7 +516,7 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                  for name in ("frontend", "backend", "control", "control_pub")}
     try:
         with Children() as shared:
-            broker_pid = shared.start(run_broker, endpoints) if consumers else 0
+            broker_pid = shared.start(run_broker, endpoints) if consumers or "tcp" in methods else 0
             for size in sizes:
                 cells: list[Result] = []
                 if ring is not None:  # the reference: its faster half, before or after the others
@@ -433,6 +527,10 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                     cells += bench_dataloader(size, seconds)
                 if consumers:
                     cells += bench_pipeline(size, seconds, endpoints, broker_pid, consumers)
+                if "zmq" in methods:
+                    cells += bench_zmq(size, seconds)
+                if "tcp" in methods:
+                    cells += bench_tcp_pipeline(size, seconds, endpoints, broker_pid)
                 if ring is not None:
                     cells[0] = max(cells[0], *bench_memcpy(size, seconds / 2, ring), key=lambda r: r.rate)
                 results += cells
@@ -451,8 +549,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=None,
                         help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
-    parser.add_argument("--methods", default="memcpy,queue,dataloader,dataset,client",
-                        help="comma-separated subset of: memcpy, queue, dataloader, dataset, client")
+    parser.add_argument("--methods", default="memcpy,queue,dataloader,dataset,client,zmq,tcp",
+                        help="comma-separated subset of: memcpy, queue, dataloader, dataset, client, "
+                             "zmq, tcp")
     return parser.parse_args(argv)
 
 
@@ -482,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print_throughput(results)
     print_ratios(results, sizes)
+    print_tcp_ratios(results, sizes)
     print_cpu(results)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0

@@ -14,6 +14,7 @@ from distill.stages import max_positions, plan_stages, sample_batch_config
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOSSES = ("nmse", "cosine")
 SOURCES = ("pydoc", "text", "hf_dataset")
+MEDIUMS = ("shm", "tcp")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -30,6 +31,9 @@ def _check_choices(cfg: DictConfig) -> None:
         raise ValueError(f"teacher.dtype={cfg.teacher.dtype!r}: choose one of {DTYPE_NAMES}")
     if cfg.student.loss not in LOSSES:
         raise ValueError(f"student.loss={cfg.student.loss!r}: choose one of {LOSSES}")
+    if cfg.pipeline.medium not in MEDIUMS:
+        raise ValueError(f"pipeline.medium={cfg.pipeline.medium!r}: choose one of {MEDIUMS} "
+                         "(pipeline=ipc or pipeline=tcp)")
     if cfg.data.source not in SOURCES:
         raise ValueError(f"data.source={cfg.data.source!r}: choose one of {SOURCES}")
     if cfg.student.micro_batch_size > cfg.pipeline.slot_count:

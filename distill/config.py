@@ -72,6 +72,16 @@ class PipelineConfig:
     """Most samples a teacher worker runs in one forward."""
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3
+    broker_host: str | None = None
+    """null = ipc sockets in socket_dir (one machine); else the address every process
+    reaches the broker at over TCP (the broker binds it: give an address of its machine)."""
+    broker_port: int = 5555
+    """TCP port of the students' socket; workers, control and broadcasts use the next three."""
+    tcp_host: str | None = None
+    """medium=tcp: the address of this student's machine that workers reach (its data
+    sockets listen there, on ports the OS picks); null = the hostname's address."""
+    local_shm: bool = True
+    """medium=tcp, workers: write straight into the shared memory of students on this machine."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
-from distill.runtime import configure_logging, exit_on_sigterm, run_dir
+from distill.runtime import configure_logging, endpoints, exit_on_sigterm, run_dir
 from distill.sources import teacher_source
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,9 @@ def run_local(cfg: DictConfig) -> None:
         _wait_for_students(children)
         log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)
     finally:
-        _stop_all(children, default_endpoint("control", socket_dir))
+        control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
+                   else default_endpoint("control", socket_dir))
+        _stop_all(children, control)
         shutil.rmtree(socket_dir, ignore_errors=True)
         sweep_orphans(min_age_s=0)
 

@@ -19,7 +19,12 @@ DEFAULT_RUN_ID = "default"
 
 
 def endpoints(cfg: DictConfig) -> dict[str, str]:
-    """The four broker endpoints for ``pipeline.socket_dir`` (ipc, one machine)."""
+    """The four broker endpoints: TCP at ``pipeline.broker_host`` (several machines), or
+    ipc in ``pipeline.socket_dir`` (one machine)."""
+    host = cfg.pipeline.get("broker_host")
+    if host:
+        port = cfg.pipeline.broker_port
+        return {name: f"tcp://{host}:{port + i}" for i, name in enumerate(SOCKET_NAMES)}
     directory = cfg.pipeline.socket_dir or runtime_dir()
     return {name: default_endpoint(name, directory) for name in SOCKET_NAMES}
 
@@ -29,7 +34,23 @@ def endpoint_kwargs(cfg: DictConfig) -> dict[str, str]:
 
 
 def run_id(cfg: DictConfig) -> str:
-    return cfg.run_id or DEFAULT_RUN_ID
+    """``run_id``, or else one per sweep job (so the jobs of a multirun sharing a broker
+    never share a run), or else ``default``."""
+    return cfg.run_id or sweep_job_run_id() or DEFAULT_RUN_ID
+
+
+def sweep_job_run_id() -> str | None:
+    """``<sweep dir name>-<job number>`` in a Hydra multirun job, None elsewhere."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    sweep = "".join(c for c in Path(hydra_cfg.sweep.dir).name if c.isalnum())[-8:]
+    return f"{sweep}j{hydra_cfg.job.num}"
 
 
 def configure_logging(cfg: DictConfig) -> None:

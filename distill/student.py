@@ -170,7 +170,8 @@ class StageTrainer:
             ctx.rank, ctx.client.generation_value, ctx.cfg.pipeline.slot_count, ctx.batch_config,
             eps["frontend"], run_id=run_id(ctx.cfg), batch_size=self.scfg.micro_batch_size,
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
-            heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness)
+            heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, medium=ctx.cfg.pipeline.medium,
+            tcp_host=ctx.cfg.pipeline.tcp_host)
         workers = self.scfg.loader_workers
         self.loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                                  pin_memory=ctx.device.type == "cuda",

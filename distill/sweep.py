@@ -21,10 +21,11 @@ class SweepSummary(Callback):
         rows = [_row(path) for path in sorted(sweep_dir.glob("*/result.json"))]
         if not rows:
             return
-        lines = ["| job | replacement | teacher metric | student metric | mean val loss | params ratio |",
-                 "|---|---|---|---|---|---|"]
+        lines = ["| job | replacement | teacher metric | student metric | mean val loss | params ratio | "
+                 "val loss by layer | train tokens/s |",
+                 "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['job']} | {r['replacement']} | {r['teacher']} | {r['student']} | {r['val']} | "
-                  f"{r['params']} |" for r in rows]
+                  f"{r['params']} | {r['by_layer']} | {r['speed']} |" for r in rows]
         out = sweep_dir / "summary.md"
         out.write_text("# Sweep summary\n\n" + "\n".join(lines) + "\n")
         print("\n".join(lines))
@@ -44,4 +45,19 @@ def _row(path: Path) -> dict[str, str]:
     return {"job": path.parent.name, "replacement": str(result["summary"].get("replacement", "-")).rsplit(".", 1)[-1],
             "teacher": _fmt(ev.get("teacher")), "student": _fmt(ev.get("student")),
             "val": _fmt(sum(vals) / len(vals) if vals else None),
-            "params": _fmt(sum(ratios) / len(ratios) if ratios else None)}
+            "params": _fmt(sum(ratios) / len(ratios) if ratios else None),
+            "by_layer": " ".join(f"{layer}:{_fmt(loss)}" for layer, loss in sorted(
+                (result.get("final_val") or {}).items(), key=lambda kv: int(kv[0]))) or "-",
+            "speed": _fmt(_tokens_per_s(result, path.parent / "metrics.jsonl"))}
+
+
+def _tokens_per_s(result: dict, metrics_path: Path) -> float | None:
+    """Training tokens per second of the job: its stages' tokens (metrics.jsonl) over the
+    time its ranks spent waiting for and training on them (result.json timings)."""
+    timings = result.get("timings") or {}
+    seconds = timings.get("student_wait_s", 0.0) + timings.get("student_step_s", 0.0)
+    if not seconds or not metrics_path.exists():
+        return None
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    tokens = sum(int(r.get("tokens", 0)) for r in records if r.get("event") == "stage_end")
+    return tokens / seconds if tokens else None

@@ -66,7 +66,8 @@ def build_worker(cfg: DictConfig) -> Worker:
                   backend_endpoint=eps["backend"], control_pub_endpoint=eps["control_pub"],
                   max_batch=cfg.pipeline.worker_max_batch,
                   heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
-                  heartbeat_liveness=cfg.pipeline.heartbeat_liveness)
+                  heartbeat_liveness=cfg.pipeline.heartbeat_liveness,
+                  local_shm=cfg.pipeline.local_shm)
 
 
 def run_worker(cfg: DictConfig) -> None:

@@ -46,12 +46,12 @@ def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> 
 
 
 def run_worker(endpoints: dict[str, str], floats: int = PAYLOAD_FLOATS, max_batch: int = 16,
-               heartbeat_interval_s: float = 0.2) -> None:
+               heartbeat_interval_s: float = 0.2, local_shm: bool = True) -> None:
     setup_logging("WARNING")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     Worker(batch_fn=fill_targets, batch_config=batch_config(floats), max_batch=max_batch,
            backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-           heartbeat_interval_s=heartbeat_interval_s).run()
+           heartbeat_interval_s=heartbeat_interval_s, local_shm=local_shm).run()
 
 
 def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results, *,
@@ -203,3 +203,45 @@ def run_zombie_worker(endpoints: dict[str, str], mid_write_file: str, heartbeat_
 
     Worker(batch_fn=torn, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def fill_layer_targets(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+    """Like ``fill_targets``, and ``x[0]`` is the layer the run asked for (its model)."""
+    fill_targets(model_id, model_cfg, targets)
+    for target in targets:
+        target.tensors["x"][0] = float((model_cfg or {})["layer"])
+
+
+def run_layer_worker(endpoints: dict[str, str], max_batch: int = 8, heartbeat_interval_s: float = 0.2) -> None:
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    Worker(batch_fn=fill_layer_targets, batch_config=batch_config(), max_batch=max_batch,
+           backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+           heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def run_layer_student(endpoints: dict[str, str], run_id: str, layers: list[int], samples_per_layer: int,
+                      results) -> None:
+    """One run (a sweep job): leads its own model switches, one per layer, and checks that
+    every sample is of its run's current layer and generation, byte for byte."""
+    from distill.pipeline import StudentClient
+
+    setup_logging("WARNING")
+    with StudentClient(0, 16, batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"], run_id=run_id, heartbeat_interval_s=0.2) as client:
+        client.hello()
+        foreign = corrupt = 0
+        generations = []
+        for layer in layers:
+            generation = client.set_model(f"layer_{layer}", {"layer": layer})
+            generations.append(generation)
+            for _ in range(samples_per_layer):
+                ref = client.request_sample(timeout_ms=30_000)
+                if ref is None:
+                    raise TimeoutError(f"run {run_id}: no sample for layer {layer}")
+                x = ref.tensors["x"]
+                foreign += int(x[0]) != layer or ref.generation != generation
+                corrupt += not torch.equal(x[1:], expected_x(ref.request_id, ref.generation)[1:])
+                client.release_slot(ref.slot_id)
+        results.put({"run_id": run_id, "foreign": foreign, "corrupt": corrupt, "generations": generations,
+                     "counts": dict(client._pool.counts)})

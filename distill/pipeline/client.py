@@ -44,6 +44,7 @@ from distill.pipeline.liveness import (
     process_alive,
 )
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
+from distill.pipeline.mediums.tcp import TcpMedium
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
@@ -64,6 +65,9 @@ FAILURES_BEFORE_BACKOFF = 16
 BACKOFF_MAX_S = 0.5
 MAX_CONSECUTIVE_FAILURES = 200
 """Failed fills in a row after which the student gives up with an error instead of spinning."""
+DATA_WAIT_S = 30.0
+"""Network medium: how long a COMPLETE slot waits for its data before it is asked for again."""
+MEDIUMS = ("shm", "tcp")
 
 
 @dataclass
@@ -84,7 +88,8 @@ class SlotPool:
                  generation: Callable[[], int], note_generation: Callable[[int], None], *,
                  role: str = "student", request_batch: int | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
+                 tcp_host: str | None = None) -> None:
         sweep_orphans()
         self.run_id = run_id
         self.payload_bytes = payload_bytes
@@ -92,8 +97,10 @@ class SlotPool:
         self.source_id = int(self.peer_id.rsplit("-", 1)[1], 16)  # names this pool in sample metadata
         self._generation = generation
         self._note_generation = note_generation
-        self.medium = SharedMemoryManager(slot_count, slot_stride(payload_bytes), read_only=True,
-                                          run_id=run_id)
+        self.medium = _open_medium(medium, slot_count, slot_stride(payload_bytes), run_id, tcp_host)
+        self._data_sock = self.medium.socket if isinstance(self.medium, TcpMedium) else None
+        self._awaiting: dict[int, tuple[int, int, float]] = {}
+        """Network medium: slot -> (generation, request id, deadline) completed before its data came."""
         stride = self.medium.slot_stride
         # Views of the whole segment, made once (through their own memoryviews, so
         # closing the medium is not blocked by them): every header as one record
@@ -203,7 +210,9 @@ class SlotPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
-            if self._sock.poll(min(left, self._heart.interval_s) * 1000):
+            if self._data_sock is not None:
+                self._wait_network(min(left, self._heart.interval_s))
+            elif self._sock.poll(min(left, self._heart.interval_s) * 1000):
                 self._drain()
 
     def _take_ready(self, max_count: int) -> list[tuple[int, int, int]]:
@@ -247,6 +256,8 @@ class SlotPool:
     def _on_complete(self, generation: int, rows: list[list]) -> None:
         if generation > self._generation():
             self._note_generation(generation)
+        if self._data_sock is not None:
+            self._receive_data()  # the data of these slots may be waiting on the data socket
         pending = self._pending
         slots, reqs = [], []
         for slot, req, ok in rows:
@@ -291,6 +302,11 @@ class SlotPool:
         and the reason to log) decides when the quick one did not accept it."""
         problem = None if match else check_slot(self.medium.slot_view(slot), generation, req,
                                                 self.payload_bytes)
+        if problem is not None and self._data_sock is not None and slot not in self._awaiting \
+                and self._headers[slot]["request_id"] == 0:  # header never written: data on its way
+            self._awaiting[slot] = (generation, req, time.monotonic() + DATA_WAIT_S)
+            return
+        self._awaiting.pop(slot, None)
         if problem is not None:
             self.counts["rejected"] += 1
             log.warning("%s: slot %d refused: %s", self.peer_id, slot, problem)
@@ -298,6 +314,39 @@ class SlotPool:
             return
         self.counts["accepted"] += 1
         self._ready.append((slot, generation, req))
+
+    # ------------------------------------------------------------------ network medium
+    def _wait_network(self, timeout_s: float) -> None:
+        """Wait for broker messages and sample data at once; take in what came."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._data_sock, zmq.POLLIN)
+        events = dict(poller.poll(timeout_s * 1000))
+        if self._data_sock in events:
+            self._receive_data()
+        if self._sock in events:
+            self._drain()
+        self._expire_awaiting()
+
+    def _receive_data(self) -> None:
+        """Copy arrived DATA into the slots that wait for it; check those already completed."""
+        for slot in self.medium.receive(self._expected_request):
+            waiting = self._awaiting.get(slot)
+            if waiting is not None:
+                self._accept_or_refuse(slot, waiting[0], waiting[1], False)
+
+    def _expected_request(self, slot: int) -> int | None:
+        waiting = self._awaiting.get(slot)
+        return waiting[1] if waiting is not None else self._pending.get(slot)
+
+    def _expire_awaiting(self) -> None:
+        now = time.monotonic()
+        for slot in [s for s, (_, _, deadline) in self._awaiting.items() if deadline < now]:
+            del self._awaiting[slot]
+            self.counts["rejected"] += 1
+            log.warning("%s: slot %d completed but its data never came in %.0fs; asking again",
+                        self.peer_id, slot, DATA_WAIT_S)
+            self._queue_request(slot)
 
     def _on_discarded(self, rows: list[list[int]]) -> None:
         for slot, req in rows:
@@ -308,6 +357,11 @@ class SlotPool:
     def _on_quarantine(self, rows: list[list[int]], process: str | None) -> None:
         """A worker declared dead may still write these slots: keep them out of use and
         ask for their samples in other slots."""
+        if isinstance(self.medium, TcpMedium) and process_alive(process) is None:
+            # A worker on another machine only reaches our slots through receive(),
+            # which takes data for pending requests only: ask again at once.
+            self._on_discarded(rows)
+            return
         taken = 0
         for slot, req in rows:
             if self._pending.get(slot) == req:
@@ -420,6 +474,16 @@ class SlotPool:
         self.medium.close()
 
 
+def _open_medium(kind: str, slot_count: int, stride: int, run_id: str,
+                 tcp_host: str | None) -> SharedMemoryManager:
+    """The consumer's slots: shared memory, or shared memory plus a TCP data socket."""
+    if kind == "shm":
+        return SharedMemoryManager(slot_count, stride, read_only=True, run_id=run_id)
+    if kind == "tcp":
+        return TcpMedium(slot_count, stride, run_id=run_id, host=tcp_host)
+    raise ValueError(f"medium={kind!r}: choose one of {MEDIUMS} (pipeline.medium)")
+
+
 class StudentClient:
     """The student of the seed README: owns slots, switches models (leader), follows (others)."""
 
@@ -427,7 +491,8 @@ class StudentClient:
                  frontend_endpoint: str | None = None, control_endpoint: str | None = None,
                  control_pub_endpoint: str | None = None, *, run_id: str = DEFAULT_RUN,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, leader_epoch: int | None = None) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
+                 tcp_host: str | None = None, leader_epoch: int | None = None) -> None:
         self.student_rank = student_rank
         # The newest leader of a run wins: a later start gets a larger epoch, so a
         # leader left over from an earlier incarnation of the job is refused.
@@ -444,7 +509,7 @@ class StudentClient:
         self._pool = SlotPool(self.frontend_endpoint, run_id, slot_count, batch_config.nbytes(),
                               self._current_generation, self._note_generation,
                               heartbeat_interval_s=heartbeat_interval_s,
-                              heartbeat_liveness=heartbeat_liveness)
+                              heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host)
         self._pool.on_rejoin = self._rejoin
         self._requested = False
         self._held: set[int] = set()

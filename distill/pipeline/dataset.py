@@ -56,7 +56,8 @@ class DistillIterableDataset(IterableDataset):
                  batch_size: int | None = None, with_meta: bool = False,
                  timeout_s: float | None = None, reuse_batches: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
+                 tcp_host: str | None = None) -> None:
         super().__init__()
         if batch_size is not None and batch_size > slot_count:
             raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
@@ -77,6 +78,9 @@ class DistillIterableDataset(IterableDataset):
         self.reuse_batches = reuse_batches
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
+        self.medium = medium
+        """``shm`` (one machine) or ``tcp`` (workers elsewhere send the samples over TCP)."""
+        self.tcp_host = tcp_host
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
@@ -99,7 +103,8 @@ class DistillIterableDataset(IterableDataset):
                         self.batch_config.nbytes(), self._generation, self._note_generation,
                         role=f"dataset{self.student_rank}",
                         heartbeat_interval_s=self.heartbeat_interval_s,
-                        heartbeat_liveness=self.heartbeat_liveness)
+                        heartbeat_liveness=self.heartbeat_liveness, medium=self.medium,
+                        tcp_host=self.tcp_host)
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.

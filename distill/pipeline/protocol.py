@@ -22,6 +22,8 @@ Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
     Control  ROUTER  L->B  SET_MODEL, STOP, STATS
                      B->L  MODEL_SET, STATS_REPLY, ERROR
     ControlPub PUB   B->*  MODEL, STOP    (topic frame = run id, or b"" for all)
+    Data     PULL    W->S  DATA + one frame per slot   (network medium only, see
+                           ``mediums/tcp.py``; the broker never sees it)
 
 Slot items travel as compact lists rather than dicts so that one REQUEST, WORK or
 DONE can carry hundreds of slots cheaply:
@@ -82,6 +84,7 @@ class Command(bytes, enum.Enum):
     RECONNECT = b"RECONNECT"
     BYE = b"BYE"
     ERROR = b"ERROR"
+    DATA = b"DATA"
 
 
 class ProtocolError(ValueError):
@@ -131,6 +134,7 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
     Command.ERROR: {"reason": "str", "command": "str?"},
+    Command.DATA: {"generation": "int", "stride": "int", "slots": "slots"},
 }
 
 
@@ -365,3 +369,33 @@ def recv_published(sock: zmq.Socket) -> Message:
     if len(frames) < 2:
         raise ProtocolError("published message without a topic frame")
     return decode(frames[1:])
+
+
+# --------------------------------------------------------------------------- sample data
+def encode_data(generation: int, stride: int, slots: list[list[int]],
+                buffers: list[memoryview]) -> list:
+    """Frames of one DATA message: the usual three, then one whole slot (header and
+    payload) per ``slots`` row. Large buffers go zero-copy: the caller must not write
+    into them again (the network medium sends freshly staged buffers only)."""
+    frames: list = encode(Command.DATA, {"generation": generation, "stride": stride, "slots": slots})
+    frames += [zmq.Frame(buf, copy=False) if len(buf) >= ZERO_COPY_MIN_BYTES else bytes(buf)
+               for buf in buffers]
+    return frames
+
+
+def decode_data(frames: list[zmq.Frame]) -> tuple[Message, list[memoryview]]:
+    """Parse a DATA message received with ``copy=False``: the message and one view per
+    slot frame, each checked to be exactly ``stride`` bytes."""
+    if len(frames) < 3:
+        raise ProtocolError(f"DATA: expected at least 3 frames, got {len(frames)}")
+    msg = decode([frame.bytes for frame in frames[:3]])
+    if msg.command is not Command.DATA:
+        raise ProtocolError(f"command {msg.command.name} not accepted on a data socket")
+    buffers = [frame.buffer for frame in frames[3:]]
+    if len(buffers) != len(msg.body["slots"]):
+        raise ProtocolError(f"DATA: {len(msg.body['slots'])} slots but {len(buffers)} data frames")
+    stride = msg.body["stride"]
+    for buf in buffers:
+        if len(buf) != stride:
+            raise ProtocolError(f"DATA: a {len(buf)}-byte slot frame, stride is {stride}")
+    return msg, buffers

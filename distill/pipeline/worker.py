@@ -44,8 +44,16 @@ from distill.pipeline.liveness import (
     process_token,
 )
 from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
+from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium, parse_medium
 from distill.pipeline.protocol import Command, Message, ProtocolError
-from distill.pipeline.slot import HEADER_BYTES, header_table, payload_checksum, write_headers
+from distill.pipeline.slot import (
+    HEADER_BYTES,
+    SlotHeader,
+    header_table,
+    payload_checksum,
+    write_header,
+    write_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,8 @@ class _Run:
     """Positions of the items in the WORK (what DONE.failed refers to)."""
     slot_idxs: list[int] = field(default_factory=list)
     targets: list[SlotTarget] = field(default_factory=list)
+    staged: list[memoryview] | None = None
+    """Network medium the worker cannot map: the whole staged slot of each target."""
 
 
 class Worker:
@@ -104,7 +114,7 @@ class Worker:
                  batch_config: BatchConfig | None = None, max_batch: int = 32,
                  prefetch_batches: int = 2, checksum: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, local_shm: bool = True) -> None:
         if (generator_fn is None) == (batch_fn is None):
             raise ValueError("Worker needs exactly one of generator_fn= (per sample) or batch_fn= (batched)")
         if slot_size is None:
@@ -134,6 +144,9 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples_written = 0
+        self.local_shm = local_shm
+        """Write into a network medium's segment directly when it is on this machine."""
+        self._sender = TcpSender()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -165,6 +178,7 @@ class Worker:
             sub.close(linger=0)
             ctx.term()
             self._close_segments()
+            self._sender.close()
             log.info("worker %s stopped after %d samples", self.peer_id, self.samples_written)
 
     def start(self) -> Worker:
@@ -305,7 +319,7 @@ class Worker:
             views = cached_slots.get(slot_idx)
             if views is None:
                 try:
-                    views = self._slot(medium, slot_idx, stride)
+                    views = self._slot(medium, slot_idx, stride, run)
                 except (OSError, ValueError, IndexError, PermissionError) as exc:
                     log.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id, slot_idx,
                                 medium, exc)
@@ -323,10 +337,12 @@ class Worker:
         segment = self._segments.get(medium)
         return {} if segment is None else segment.slots.get(stride, {})
 
-    def _slot(self, medium: str, slot_idx: int, stride: int) -> SlotViews:
+    def _slot(self, medium: str, slot_idx: int, stride: int, run: _Run | None = None) -> SlotViews:
         """Check a slot's address, decode its views, and remember them."""
         if stride < HEADER_BYTES + self.slot_size:
             raise ValueError(f"stride {stride} < header + slot_size {HEADER_BYTES + self.slot_size}")
+        if run is not None and is_tcp_medium(medium) and self._sender.is_remote(medium, self.local_shm):
+            return self._stage(run, stride)
         segment = self._segment(medium, stride)
         start = slot_idx * stride
         if start + stride > len(segment.view):
@@ -336,6 +352,15 @@ class Worker:
         tensors = self.batch_config.decode(payload) if self.batch_config and self.batch_fn else None
         segment.slots.setdefault(stride, {})[slot_idx] = payload, tensors
         return payload, tensors
+
+    def _stage(self, run: _Run, stride: int) -> SlotViews:
+        """Views into a fresh staging buffer for a slot sent over the network medium."""
+        buf = self._sender.stage(stride)
+        if run.staged is None:
+            run.staged = []
+        run.staged.append(buf)
+        payload = buf[HEADER_BYTES:HEADER_BYTES + self.slot_size]
+        return payload, self.batch_config.decode(payload) if self.batch_config and self.batch_fn else None
 
     def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
                   runs: list[_Run], failed: dict[int, dict[int, str]]) -> None:
@@ -375,7 +400,12 @@ class Worker:
                 failed.setdefault(run.work_id, {})[run.idxs[i]] = "sample larger than the slot"
             slot_idxs, targets = [slot_idxs[i] for i in kept], [targets[i] for i in kept]
             lengths = [lengths[i] for i in kept]
+            if run.staged is not None:
+                run.staged = [run.staged[i] for i in kept]
         if not slot_idxs:
+            return
+        if run.staged is not None:
+            self._send_staged(run, slot_idxs, targets, lengths, failed)
             return
         segment = self._segments[run.medium]
         self._segments.move_to_end(run.medium)  # least recently used segments are unmapped first
@@ -388,11 +418,26 @@ class Worker:
                       lengths, checksums)
         self.samples_written += len(slot_idxs)
 
+    def _send_staged(self, run: _Run, slot_idxs: list[int], targets: list[SlotTarget],
+                     lengths: list[int], failed: dict[int, dict[int, str]]) -> None:
+        """Commit staged slots (header last, as in shared memory) and send them."""
+        for buf, target, length in zip(run.staged, targets, lengths, strict=True):
+            checksum = payload_checksum(target.payload[:length]) if self.checksum else None
+            write_header(buf, SlotHeader(target.generation, target.request_id, length, checksum))
+        problem = self._sender.send(run.medium, targets[0].generation, run.stride,
+                                    [[slot_idx, t.request_id] for slot_idx, t in zip(slot_idxs, targets, strict=True)],
+                                    run.staged)
+        if problem is not None:
+            log.warning("worker %s: %s", self.peer_id, problem)
+            failed.setdefault(run.work_id, {}).update(dict.fromkeys(run.idxs, problem[:200]))
+            return
+        self.samples_written += len(slot_idxs)
+
     # ------------------------------------------------------------------ segments
     def _segment(self, name: str, stride: int) -> _Segment:
         segment = self._segments.get(name)
         if segment is None:
-            mapping = attach_segment(name, stride)
+            mapping = attach_segment(_segment_name(name), stride)
             segment = self._segments[name] = _Segment(memoryview(mapping))
             while len(self._segments) > MAX_ATTACHED_SEGMENTS:
                 self._forget_segment(next(iter(self._segments)))
@@ -404,7 +449,8 @@ class Worker:
         if time.monotonic() - self._segments_checked < SEGMENT_RECHECK_S:
             return
         self._segments_checked = time.monotonic()
-        for name in [n for n in self._segments if not os.path.exists(os.path.join(SHM_DIR, n))]:
+        for name in [n for n in self._segments
+                     if not os.path.exists(os.path.join(SHM_DIR, _segment_name(n)))]:
             self._forget_segment(name)
 
     def _forget_segment(self, name: str) -> None:
@@ -419,6 +465,11 @@ class Worker:
     def _close_segments(self) -> None:
         for name in list(self._segments):
             self._forget_segment(name)
+
+
+def _segment_name(medium: str) -> str:
+    """The shared-memory segment behind a medium name (a network medium's, mapped locally)."""
+    return parse_medium(medium).segment if is_tcp_medium(medium) else medium
 
 
 def _group_by_model(works: list[Message]) -> list[list[Message]]:
