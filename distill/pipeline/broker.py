@@ -327,6 +327,7 @@ class Broker:
     def _on_set_model(self, identity: bytes, body: dict) -> None:
         run = self._run(body["run_id"])
         restore = body.get("restore_generation")
+        _check_generation_room(run, restore)
         if restore is not None and restore >= run.generation:
             run.generation = restore  # a leader re-joining a restarted broker
         else:
@@ -528,3 +529,11 @@ class Broker:
             requested_per_s=self._requested_rate.rate(), uptime_s=time.monotonic() - self._started_at,
             per_run=per_run,
         )
+
+
+def _check_generation_room(run: RunState, restore: int | None) -> None:
+    """Refuse a SET_MODEL whose generation would not fit the wire's integers: the run's
+    state stays as it was, instead of every later WORK and WELCOME failing to encode."""
+    if max(run.generation, restore or 0) >= protocol.MAX_INT:
+        raise ProtocolError(f"run {run.run_id}: generation {max(run.generation, restore or 0)} is at the "
+                            "protocol's maximum (2**63-1); start a new run_id")

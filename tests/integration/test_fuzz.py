@@ -24,7 +24,7 @@ import pytest
 import torch
 import zmq
 
-from distill.pipeline import StudentClient, protocol
+from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
@@ -325,3 +325,33 @@ def _worker_normal_run(fake: FakeBroker, shm: SharedMemoryManager, payload_bytes
         assert check_slot(view, 1, 1000 + slot_idx, payload_bytes) is None
         x = torch.frombuffer(view[HEADER_BYTES:HEADER_BYTES + peers.PAYLOAD_FLOATS * 4], dtype=torch.float32)
         assert torch.equal(x, peers.expected_x(1000 + slot_idx, 1))
+
+
+# --------------------------------------------------------------------------- regressions found by fuzzing
+@pytest.mark.timeout(60)
+def test_set_model_past_the_largest_generation_is_refused_and_the_broker_keeps_serving(
+        endpoints, broker_kwargs) -> None:
+    """A SET_MODEL that restored generation 2**63-1 used to make the next switch's
+    generation unencodable: the broker thread died on its next WORK."""
+    broker = Broker(**broker_kwargs).start()
+    worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(),
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"]).start()
+    control = _dealer(zmq.Context.instance(), endpoints["control"])
+    try:
+        def set_model(restore: int | None) -> protocol.Message:
+            protocol.send(control, Command.SET_MODEL, {"run_id": "default", "model_id": "m",
+                                                       "restore_generation": restore})
+            assert control.poll(5000)
+            return protocol.recv(control)
+
+        assert "maximum" in set_model(protocol.MAX_INT).body["reason"]
+        assert set_model(protocol.MAX_INT - 1).body["generation"] == protocol.MAX_INT - 1
+        assert set_model(None).body["generation"] == protocol.MAX_INT
+        refused = set_model(None)
+        assert refused.command is Command.ERROR and "start a new run_id" in refused.body["reason"]
+        assert broker.stats.per_run["default"]["generation"] == protocol.MAX_INT
+        _normal_run(endpoints)
+    finally:
+        control.close(0)
+        worker.stop()
+        broker.stop()
