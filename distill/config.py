@@ -72,6 +72,16 @@ class PipelineConfig:
     """Most samples a teacher worker runs in one forward."""
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3
+    max_queued: int = 1_000_000
+    """Broker: slots queued over all runs; REQUESTs past it are refused."""
+    max_queued_per_student: int = 8_192
+    """Broker: slots one consumer process may have queued (>= slot_count)."""
+    max_students: int = 16_384
+    """Broker: connected consumer processes (ranks x loader workers, all runs)."""
+    max_workers: int = 4_096
+    """Broker: connected teacher workers."""
+    max_runs: int = 1_024
+    """Broker: runs with a model set (the jobs of sweeps sharing this broker)."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, 
 from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, header_table, payload_checksum, write_headers
+from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples_written = 0
+        self._refusals = LogThrottle(log)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -225,7 +227,8 @@ class Worker:
             try:
                 msg = protocol.recv(sock)
             except ProtocolError as exc:
-                log.warning("worker %s: refused message from broker: %s", self.peer_id, exc.reason)
+                self._refusals.warning("worker %s: refused message from broker: %s", self.peer_id,
+                                       exc.reason)
                 protocol.send(sock, Command.ERROR, {"reason": exc.reason[:protocol.MAX_STRING_CHARS]})
                 continue
             if msg.command is Command.WORK:
@@ -282,8 +285,8 @@ class Worker:
                 try:
                     views = self._slot(medium, slot_idx, stride)
                 except (OSError, ValueError, IndexError, PermissionError) as exc:
-                    log.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id, slot_idx,
-                                medium, exc)
+                    self._refusals.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id,
+                                           slot_idx, medium, exc)
                     failed.setdefault(work_id, {})[idx] = f"bad address: {exc}"[:200]
                     continue
                 cached_slots = self._cached_slots(medium, stride)  # the segment may be new

@@ -28,14 +28,15 @@ from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
+from distill.service import fetch_stats
 from tests import peers
 from tests.mutants import Mutator, Targets
 from tests.procfs import rss_bytes, shm_mappings
 
 log = logging.getLogger(__name__)
 
-MESSAGES_PER_ROUND = 5_000
-"""Per socket and round; two rounds, so 10,000 per broker socket and to the worker."""
+MESSAGES_PER_ROUND = 10_000
+"""Per socket and round; two rounds, so 20,000 per broker socket and to the worker."""
 BURST = 250
 """Messages sent before the replies are drained (no waiting for each reply)."""
 MAX_GROWTH_BYTES = 6 * 2**20
@@ -86,10 +87,8 @@ def test_broker_survives_fuzzing_on_every_socket(seed, procs, endpoints) -> None
             log.info("broker round took %.1fs", time.monotonic() - started)
             assert broker.is_alive(), f"broker died (exit code {broker.exitcode}); seed {seed}"
             rss.append(rss_bytes(broker.pid))
-            from distill.service import fetch_stats
-            st = fetch_stats(endpoints["frontend"])
-            log.info("DEBUG stats %s", {k: v for k, v in st.items() if k != "per_run"})
-            log.info("DEBUG runs %s", {k[:20]: v for k, v in st["per_run"].items()})
+            stats = fetch_stats(endpoints["frontend"])
+            log.info("broker after the round: %s", {k: v for k, v in stats.items() if k != "per_run"})
         log.info("broker RSS after each round: %s", rss)
         assert rss[1] - rss[0] < MAX_GROWTH_BYTES, f"broker grew {rss} (seed {seed})"
         _normal_run(endpoints)
