@@ -175,3 +175,12 @@ def run_freezing_worker(endpoints: dict[str, str], busy_file: str, heartbeat_int
 
     Worker(batch_fn=hang, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def run_limited_broker(endpoints: dict[str, str], limits: dict[str, int],
+                       heartbeat_interval_s: float = 0.2) -> None:
+    """A broker with back-pressure limits of its own (``max_*`` keywords of Broker)."""
+    setup_logging("ERROR")  # a flood's refusals are expected: keep the test output readable
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    Broker(**{f"{k}_endpoint": v for k, v in endpoints.items()},
+           heartbeat_interval_s=heartbeat_interval_s, **limits).run()
