@@ -39,6 +39,10 @@ def _check_choices(cfg: DictConfig) -> None:
     if cfg.student.micro_batch_size > cfg.pipeline.slot_count:
         raise ValueError(f"student.micro_batch_size={cfg.student.micro_batch_size} > pipeline.slot_count="
                          f"{cfg.pipeline.slot_count}: raise pipeline.slot_count or lower the batch")
+    if cfg.pipeline.slot_count > cfg.pipeline.max_queued_per_student:
+        raise ValueError(f"pipeline.slot_count={cfg.pipeline.slot_count} > pipeline.max_queued_per_student="
+                         f"{cfg.pipeline.max_queued_per_student}: the broker would refuse the requests; "
+                         "raise pipeline.max_queued_per_student (on the broker too) or lower slot_count")
     for key in ("steps_per_stage", "micro_batch_size", "grad_accum_steps"):
         if cfg.student[key] < 1:
             raise ValueError(f"student.{key}={cfg.student[key]} must be >= 1")

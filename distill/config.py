@@ -82,6 +82,16 @@ class PipelineConfig:
     sockets listen there, on ports the OS picks); null = the hostname's address."""
     local_shm: bool = True
     """medium=tcp, workers: write straight into the shared memory of students on this machine."""
+    max_queued: int = 1_000_000
+    """Broker: slots queued over all runs; REQUESTs past it are refused."""
+    max_queued_per_student: int = 8_192
+    """Broker: slots one consumer process may have queued (>= slot_count)."""
+    max_students: int = 16_384
+    """Broker: connected consumer processes (ranks x loader workers, all runs)."""
+    max_workers: int = 4_096
+    """Broker: connected teacher workers."""
+    max_runs: int = 1_024
+    """Broker: runs with a model set (the jobs of sweeps sharing this broker)."""
 
 
 @dataclass

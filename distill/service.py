@@ -25,11 +25,17 @@ def run_broker(cfg: DictConfig) -> None:
     exit_on_sigterm()
     sweep_orphans()
     broker = Broker(**endpoint_kwargs(cfg), heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
-                    heartbeat_liveness=cfg.pipeline.heartbeat_liveness)
+                    heartbeat_liveness=cfg.pipeline.heartbeat_liveness, **broker_limits(cfg))
     try:
         broker.run()
     except KeyboardInterrupt:
         log.info("broker interrupted")
+
+
+def broker_limits(cfg: DictConfig) -> dict[str, int]:
+    """The broker's back-pressure limits from ``pipeline.max_*``."""
+    return {name: cfg.pipeline[name] for name in ("max_queued", "max_queued_per_student", "max_students",
+                                                  "max_workers", "max_runs")}
 
 
 def fetch_stats(frontend_endpoint: str, timeout_ms: int = 2000) -> dict | None:

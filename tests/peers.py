@@ -245,3 +245,10 @@ def run_layer_student(endpoints: dict[str, str], run_id: str, layers: list[int],
                 client.release_slot(ref.slot_id)
         results.put({"run_id": run_id, "foreign": foreign, "corrupt": corrupt, "generations": generations,
                      "counts": dict(client._pool.counts)})
+def run_limited_broker(endpoints: dict[str, str], limits: dict[str, int],
+                       heartbeat_interval_s: float = 0.2) -> None:
+    """A broker with back-pressure limits of its own (``max_*`` keywords of Broker)."""
+    setup_logging("ERROR")  # a flood's refusals are expected: keep the test output readable
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    Broker(**{f"{k}_endpoint": v for k, v in endpoints.items()},
+           heartbeat_interval_s=heartbeat_interval_s, **limits).run()

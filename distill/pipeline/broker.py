@@ -49,6 +49,7 @@ from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES
 from distill.pipeline.stats import BrokerStats, RateMeter
+from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,21 @@ MAX_PURGED_REMEMBERED = 10_000
 MAX_ZOMBIE_WORKS = 10_000
 """In-flight works of purged workers remembered for their late DONE; beyond this the
 oldest are forgotten (their students still free the slots when the process dies)."""
+# Bounds on what peers can make the broker hold (back-pressure: the excess is refused
+# with an ERROR that names the limit). Each is a keyword of Broker and a field of
+# PipelineConfig; the defaults leave room for large jobs and cap memory at a few
+# hundred MiB whatever peers send.
+MAX_QUEUED = 1_000_000
+"""Slots queued over all runs (a queued slot costs about 150 bytes)."""
+MAX_QUEUED_PER_STUDENT = 8_192
+"""Slots one student connection may have queued. A consumer process never needs more
+than it owns (pipeline.slot_count); keep it below protocol.BROKER_SNDHWM."""
+MAX_STUDENTS = 16_384
+"""Student peers: every rank's client and every DataLoader worker is one."""
+MAX_WORKERS = 4_096
+MAX_RUNS = 1_024
+"""Runs (the jobs of a sweep). Runs with no model, queue or student are forgotten
+to make room for new ones; runs with a model are kept."""
 
 
 @dataclass(slots=True)
@@ -124,7 +140,9 @@ class Broker:
                  control_endpoint: str | None = None, control_pub_endpoint: str | None = None, *,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS,
-                 max_queued_per_run: int = MAX_QUEUED_PER_RUN) -> None:
+                 max_queued_per_run: int = MAX_QUEUED_PER_RUN, max_queued: int = MAX_QUEUED,
+                 max_queued_per_student: int = MAX_QUEUED_PER_STUDENT, max_students: int = MAX_STUDENTS,
+                 max_workers: int = MAX_WORKERS, max_runs: int = MAX_RUNS) -> None:
         self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
         self.backend_endpoint = backend_endpoint or default_endpoint("backend")
         self.control_endpoint = control_endpoint or default_endpoint("control")
@@ -132,6 +150,11 @@ class Broker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
         self.max_queued_per_run = max_queued_per_run
+        self.max_queued, self.max_queued_per_student = max_queued, max_queued_per_student
+        self.max_students, self.max_workers, self.max_runs = max_students, max_workers, max_runs
+        _check_limits(self)
+        self._queued_by_student: dict[bytes, int] = {}  # student identity -> slots in run queues
+        self._refusals = LogThrottle(log)
         self._runs: dict[str, RunState] = {}
         self._workers: dict[str, WorkerPeer] = {}  # by peer_id
         self._students: dict[str, StudentPeer] = {}  # by peer_id
@@ -197,7 +220,8 @@ class Broker:
         for kind, endpoint in ((zmq.ROUTER, self.frontend_endpoint), (zmq.ROUTER, self.backend_endpoint),
                                (zmq.ROUTER, self.control_endpoint), (zmq.PUB, self.control_pub_endpoint)):
             prepare_endpoint(endpoint)
-            sock = protocol.configure(ctx.socket(kind))
+            sock = protocol.configure(ctx.socket(kind), hwm=protocol.BROKER_SNDHWM,
+                                      rcvhwm=protocol.BROKER_RCVHWM)
             try:
                 sock.bind(endpoint)
             except zmq.ZMQError as exc:
@@ -247,7 +271,7 @@ class Broker:
         try:
             handler(identity, msg.body)
         except ProtocolError as exc:
-            self._refuse(sock, identity, exc.reason, msg.command)
+            self._refuse(sock, identity, exc.reason, msg.command, getattr(exc, "slots", None))
 
     def _handlers(self) -> dict[tuple[int, Command], Any]:
         f, b, c = id(self._frontend), id(self._backend), id(self._control)
@@ -268,18 +292,21 @@ class Broker:
         }
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str,
-                command: Command | None = None) -> None:
+                command: Command | None = None, slots: list | None = None) -> None:
         self._counters.bad_messages += 1
-        log.warning("refused message from %r: %s", identity[:16], reason)
-        body = {"reason": reason[:protocol.MAX_STRING_CHARS]}
+        self._refusals.warning("refused message from %r: %s", identity[:16], reason)
+        body: dict[str, Any] = {"reason": reason[:protocol.MAX_STRING_CHARS]}
         if command is not None:
             body["command"] = command.name
+        if slots:  # a well-formed REQUEST over a limit: the student asks again later
+            body["slots"] = slots
         protocol.send(sock, Command.ERROR, body, identity=identity)
 
     # ------------------------------------------------------------------ students
     def _run(self, run_id: str) -> RunState:
         run = self._runs.get(run_id)
         if run is None:
+            self._make_room_for_run(run_id)
             run = self._runs[run_id] = RunState(run_id)
             self._rr_runs.append(run_id)
         return run
@@ -287,7 +314,14 @@ class Broker:
     def _touch_student(self, identity: bytes, peer_id: str, run_id: str) -> StudentPeer:
         peer = self._students.get(peer_id)
         if peer is None:
+            if len(self._students) >= self.max_students:
+                raise _over_limit(f"{len(self._students)} students connected", "max_students")
             peer = self._students[peer_id] = StudentPeer(identity, peer_id, run_id, time.monotonic())
+        elif peer.run_id != run_id:
+            raise ProtocolError(f"student {peer_id} belongs to run {peer.run_id}, not {run_id}: "
+                                "use one peer id per run")
+        elif peer.identity != identity:
+            self._drop_student_requests(peer)  # answers could not reach its old connection
         peer.identity, peer.last_seen = identity, time.monotonic()
         return peer
 
@@ -305,15 +339,33 @@ class Broker:
         stride, slots = body["stride"], body["slots"]
         if stride <= HEADER_BYTES:
             raise ProtocolError(f"REQUEST.stride {stride} leaves no room after the {HEADER_BYTES}-byte header")
-        if run.queued + len(slots) > self.max_queued_per_run:
-            self._counters.refused += len(slots)
-            raise ProtocolError(f"run {run.run_id}: queue full ({run.queued} slots); "
-                                "slow down or add workers")
+        refused, slots = self._over_room(identity, run, slots)
         if slots:
             run.queue.append(SlotRequests(identity, run.run_id, body["medium"], stride, slots))
             run.queued += len(slots)
+            self._count_queued((run.queue[-1],), +1)
         self._counters.requested += len(slots)
         self._requested_rate.add(len(slots))
+        if refused is not None:
+            raise refused
+
+    def _over_room(self, identity: bytes, run: RunState,
+                   slots: list[list[int]]) -> tuple[ProtocolError | None, list[list[int]]]:
+        """Split a REQUEST at the queue limits: the slots that fit are queued; the rest
+        are refused, by name in the ERROR reply, so the student can ask again later."""
+        try:
+            self._check_queue_room(identity, len(slots))
+            if run.queued + len(slots) > self.max_queued_per_run:
+                raise _over_limit(f"run {run.run_id}: {run.queued} slots queued, {len(slots)} more asked",
+                                  "max_queued_per_run")
+        except ProtocolError as exc:
+            room = max(0, min(self.max_queued_per_student - self._queued_by_student.get(identity, 0),
+                              self.max_queued - sum(r.queued for r in self._runs.values()),
+                              self.max_queued_per_run - run.queued))
+            exc.slots = slots[room:]  # type: ignore[attr-defined]  # named in the ERROR reply
+            self._counters.refused += len(slots) - room
+            return exc, slots[:room]
+        return None, slots
 
     def _on_student_heartbeat(self, identity: bytes, body: dict) -> None:
         peer = self._students.get(body["peer_id"])
@@ -338,6 +390,7 @@ class Broker:
         if run is not None:
             run.queue = deque(r for r in run.queue if r.student != peer.identity)
             run.queued = sum(len(r.slots) for r in run.queue)
+        self._queued_by_student.pop(peer.identity, None)
 
     def _on_stats(self, sock: zmq.Socket, identity: bytes, body: dict) -> None:
         protocol.send(sock, Command.STATS_REPLY, {"stats": self._snapshot().to_dict()}, identity=identity)
@@ -347,6 +400,7 @@ class Broker:
         run = self._run(body["run_id"])
         self._check_leader(run, body["leader_epoch"], body["peer_id"])
         restore = body.get("restore_generation")
+        _check_generation_room(run, restore)
         if restore is not None and restore >= run.generation:
             run.generation = restore  # a leader re-joining a restarted broker
         else:
@@ -383,6 +437,8 @@ class Broker:
     def _on_ready(self, identity: bytes, body: dict) -> None:
         peer = self._workers.get(body["peer_id"])
         if peer is None:
+            if len(self._workers) >= self.max_workers:
+                raise _over_limit(f"{len(self._workers)} workers connected", "max_workers")
             peer = self._workers[body["peer_id"]] = WorkerPeer(
                 identity, body["peer_id"], 0, 1, time.monotonic())
             log.info("worker %s joined (credit %d)", peer.peer_id, body["credit"])
@@ -489,6 +545,7 @@ class Broker:
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
         requests = self._take(run, count)
+        self._count_queued(requests, -1)
         num_slots = sum(len(r.slots) for r in requests)
         work = Work(self._next_work_id, worker.identity, run.run_id, run.generation, requests, num_slots)
         self._next_work_id += 1
@@ -519,6 +576,40 @@ class Broker:
         run.queued -= count - left
         return taken
 
+    # ------------------------------------------------------------------ limits
+    def _check_queue_room(self, identity: bytes, count: int) -> None:
+        """Refuse ``count`` more slots from one student connection past the caps."""
+        queued = self._queued_by_student.get(identity, 0)
+        if queued + count > self.max_queued_per_student:
+            raise _over_limit(f"{queued} slots of this student queued, {count} more asked",
+                              "max_queued_per_student")
+        total = sum(r.queued for r in self._runs.values())
+        if total + count > self.max_queued:
+            raise _over_limit(f"{total} slots queued, {count} more asked", "max_queued")
+
+    def _count_queued(self, requests: Any, sign: int) -> None:
+        """Keep ``_queued_by_student`` in step with the run queues (+1: queued, -1: left)."""
+        counts = self._queued_by_student
+        for request in requests:
+            left = counts.get(request.student, 0) + sign * len(request.slots)
+            if left > 0:
+                counts[request.student] = left
+            else:
+                counts.pop(request.student, None)
+
+    def _make_room_for_run(self, run_id: str) -> None:
+        """At ``max_runs``, forget an idle run (no model, queue, student or work) or refuse."""
+        if len(self._runs) < self.max_runs:
+            return
+        busy = {s.run_id for s in self._students.values()}
+        busy.update(w.run_id for p in self._workers.values() for w in p.in_flight.values())
+        idle = next((r.run_id for r in self._runs.values()
+                     if r.model_id is None and not r.queue and r.run_id not in busy), None)
+        if idle is None:
+            raise _over_limit(f"{len(self._runs)} runs known, cannot add run {run_id[:40]}", "max_runs")
+        del self._runs[idle]
+        self._rr_runs.remove(idle)
+
     # ------------------------------------------------------------------ liveness
     def _purge(self) -> None:
         deadline = time.monotonic() - self.heartbeat_interval_s * self.heartbeat_liveness
@@ -544,6 +635,7 @@ class Broker:
                 continue
             requests = [r for r in work.requests if r.student in live]
             run.queue.extendleft(reversed(requests))
+            self._count_queued(requests, +1)
             num_slots = sum(len(r.slots) for r in requests)
             run.queued += num_slots
             self._counters.requeued += num_slots
@@ -593,3 +685,29 @@ class Broker:
             requested_per_s=self._requested_rate.rate(), uptime_s=time.monotonic() - self._started_at,
             per_run=per_run,
         )
+
+
+def _check_generation_room(run: RunState, restore: int | None) -> None:
+    """Refuse a SET_MODEL whose generation would not fit the wire's integers: the run's
+    state stays as it was, instead of every later WORK and WELCOME failing to encode."""
+    if max(run.generation, restore or 0) >= protocol.MAX_INT:
+        raise ProtocolError(f"run {run.run_id}: generation {max(run.generation, restore or 0)} is at the "
+                            "protocol's maximum (2**63-1); start a new run_id")
+
+
+def _over_limit(what: str, limit: str) -> ProtocolError:
+    """The refusal of input past one of the broker's limits, saying how to raise it."""
+    return ProtocolError(f"{what}: over the broker's {limit}; raise it with pipeline.{limit}=N "
+                         f"(Broker({limit}=N)) if this load is expected")
+
+
+def _check_limits(broker: Broker) -> None:
+    for name in ("max_queued_per_run", "max_queued", "max_queued_per_student", "max_students",
+                 "max_workers", "max_runs"):
+        value = getattr(broker, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Broker({name}={value!r}): must be a positive integer")
+    if broker.max_queued_per_student > protocol.BROKER_SNDHWM:
+        log.warning("max_queued_per_student=%d is above the broker's send high-water mark (%d): a "
+                    "student owed that many replies may lose some", broker.max_queued_per_student,
+                    protocol.BROKER_SNDHWM)

@@ -126,7 +126,7 @@ class SlotPool:
         self._next_request_id = secrets.randbits(40) << 16
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0,
-                       "quarantined": 0, "released": 0}
+                       "quarantined": 0, "released": 0, "refused": 0}
         self._quarantined: dict[int, str | None] = {}  # slot -> process token of its writer
         self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
         self._quarantine_checked = 0.0
@@ -247,8 +247,11 @@ class SlotPool:
         elif msg.command is Command.RELEASE:
             self._on_release(msg.body["slots"])
         elif msg.command is Command.ERROR:
-            log.error("%s: broker refused %s: %s", self.peer_id, msg.body.get("command"),
-                      msg.body["reason"])
+            if msg.body.get("slots"):
+                self._on_refused(msg.body["slots"], msg.body["reason"])
+            else:
+                log.error("%s: broker refused %s: %s", self.peer_id, msg.body.get("command"),
+                          msg.body["reason"])
         elif msg.command is Command.WELCOME:
             return msg.body
         return None
@@ -353,6 +356,17 @@ class SlotPool:
             if self._pending.get(slot) == req:
                 self.counts["discarded"] += 1
                 self._queue_request(slot)
+
+    def _on_refused(self, rows: list[list[int]], reason: str) -> None:
+        """The broker is over a limit and did not queue these requests: back off, ask again."""
+        again = [slot for slot, req in rows if self._pending.get(slot) == req]
+        self.counts["refused"] += len(again)
+        if time.monotonic() - self._failure_logged > 5:
+            self._failure_logged = time.monotonic()
+            log.warning("%s: broker refused %d request(s) (%s); asking again after a pause",
+                        self.peer_id, len(again), reason)
+        time.sleep(BACKOFF_MAX_S)
+        self._to_request.extend(again)
 
     def _on_quarantine(self, rows: list[list[int]], process: str | None) -> None:
         """A worker declared dead may still write these slots: keep them out of use and

@@ -133,7 +133,7 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.HEARTBEAT: {"peer_id": "str", "role": "str"},
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
-    Command.ERROR: {"reason": "str", "command": "str?"},
+    Command.ERROR: {"reason": "str", "command": "str?", "slots": "slots?"},
     Command.DATA: {"generation": "int", "stride": "int", "slots": "slots"},
 }
 
@@ -316,12 +316,30 @@ _COMMANDS = {command.value: command for command in Command}
 
 
 # --------------------------------------------------------------------------- sockets
-def configure(sock: zmq.Socket, *, hwm: int = 100_000) -> zmq.Socket:
-    """Socket options every pipeline socket gets: bounded size, no linger on close."""
+# High-water marks: messages ZeroMQ queues per connection (per peer on a ROUTER).
+# A full receive queue makes ZeroMQ stop reading from that peer (its sends then
+# block: back-pressure, nothing lost); a full send queue blocks a DEALER and makes a
+# ROUTER or PUB drop. So each socket's memory is bounded by HWM x message size
+# (messages are at most MAX_MESSAGE_BYTES; the usual one is under 1 KiB).
+DEFAULT_HWM = 100_000
+"""Students' and workers' sockets: far above what a peer ever has outstanding
+(a student: one message per slot it owns; a worker: one per slot of credit)."""
+BROKER_SNDHWM = 16_384
+"""Broker, per peer. A student is owed at most one COMPLETE per slot it queued, so
+this must stay above the broker's ``max_queued_per_student``; past it the broker's
+ROUTER drops (what it drops is then ERRORs to a peer that floods and never reads)."""
+BROKER_RCVHWM = 1_000
+"""Broker, per peer: what a flooding peer can park in the broker's memory (the
+broker reads up to 1,000 messages of a socket per pass anyway)."""
+
+
+def configure(sock: zmq.Socket, *, hwm: int = DEFAULT_HWM, rcvhwm: int | None = None) -> zmq.Socket:
+    """Socket options every pipeline socket gets: bounded size and queues (``hwm``
+    for sending, ``rcvhwm`` for receiving, default ``hwm``), no linger on close."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
     return sock
 
 

@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RATE_WINDOW_S = 10.0
+RATE_BUCKET_S = 0.1
+"""Events closer than this are added up in one entry: a flood of messages cannot
+grow a meter beyond RATE_WINDOW_S / RATE_BUCKET_S entries."""
 
 
 @dataclass
@@ -18,7 +21,11 @@ class RateMeter:
 
     def add(self, count: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self._events.append((now, count))
+        if self._events and now - self._events[-1][0] < RATE_BUCKET_S:
+            start, total = self._events[-1]
+            self._events[-1] = (start, total + count)
+        else:
+            self._events.append((now, count))
         self._trim(now)
 
     def rate(self, now: float | None = None) -> float:

@@ -54,6 +54,7 @@ from distill.pipeline.slot import (
     write_header,
     write_headers,
 )
+from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class Worker:
         self.local_shm = local_shm
         """Write into a network medium's segment directly when it is on this machine."""
         self._sender = TcpSender()
+        self._refusals = LogThrottle(log)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -264,7 +266,8 @@ class Worker:
             try:
                 msg = protocol.recv(sock)
             except ProtocolError as exc:
-                log.warning("worker %s: refused message from broker: %s", self.peer_id, exc.reason)
+                self._refusals.warning("worker %s: refused message from broker: %s", self.peer_id,
+                                       exc.reason)
                 protocol.send(sock, Command.ERROR, {"reason": exc.reason[:protocol.MAX_STRING_CHARS]})
                 continue
             if msg.command is Command.WORK:
@@ -321,8 +324,8 @@ class Worker:
                 try:
                     views = self._slot(medium, slot_idx, stride, run)
                 except (OSError, ValueError, IndexError, PermissionError) as exc:
-                    log.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id, slot_idx,
-                                medium, exc)
+                    self._refusals.warning("worker %s: cannot write slot %d of %r: %s", self.peer_id,
+                                           slot_idx, medium, exc)
                     failed.setdefault(work_id, {})[idx] = f"bad address: {exc}"[:200]
                     continue
                 cached_slots = self._cached_slots(medium, stride)  # the segment may be new
