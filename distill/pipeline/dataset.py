@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from distill.pipeline.auth import CurveConfig
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.client import DEFAULT_RUN, SlotPool
 from distill.pipeline.endpoints import default_endpoint
@@ -56,7 +57,8 @@ class DistillIterableDataset(IterableDataset):
                  batch_size: int | None = None, with_meta: bool = False,
                  timeout_s: float | None = None, reuse_batches: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS,
+                 curve: CurveConfig | None = None) -> None:
         super().__init__()
         if batch_size is not None and batch_size > slot_count:
             raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
@@ -77,6 +79,10 @@ class DistillIterableDataset(IterableDataset):
         self.reuse_batches = reuse_batches
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
+        if curve is not None:
+            curve.client_keys()  # a bad key fails here, not later in every DataLoader worker
+        self.curve = curve
+        """Paths, not keys: each process that iterates reads (and checks) the keys itself."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
@@ -99,7 +105,7 @@ class DistillIterableDataset(IterableDataset):
                         self.batch_config.nbytes(), self._generation, self._note_generation,
                         role=f"dataset{self.student_rank}",
                         heartbeat_interval_s=self.heartbeat_interval_s,
-                        heartbeat_liveness=self.heartbeat_liveness)
+                        heartbeat_liveness=self.heartbeat_liveness, curve=self.curve)
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.
