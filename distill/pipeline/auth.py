@@ -189,10 +189,10 @@ def read_public_file(path: str | Path) -> bytes:
 def read_secret_file(path: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) of a ``.key_secret`` file that only its owner can read."""
     path = Path(path)
-    _check_private(path)
     public, secret = _load(path)
     if secret is None:
         raise AuthError(f"{path} holds no secret key; give the .key_secret file that mode=keys wrote")
+    _check_private(path)
     return public, secret
 
 
@@ -211,8 +211,6 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
 
 def _check_private(path: Path) -> None:
     """A secret must belong to this user and be closed to everyone else."""
-    if not path.is_file():
-        return  # _load says what is missing
     st = path.stat()
     if st.st_uid != os.getuid():
         raise AuthError(f"secret key {path} belongs to uid {st.st_uid}, not to this user; "
