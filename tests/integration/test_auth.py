@@ -150,7 +150,7 @@ def test_worker_without_allowed_key_gets_no_work(tcp_endpoints, keys, rogue) -> 
 
 
 @pytest.mark.timeout(120)
-def test_mode_keys_writes_private_secrets_and_refuses_to_overwrite(tmp_path: Path) -> None:
+def test_mode_keys_writes_private_secrets(tmp_path: Path) -> None:
     keys_dir = tmp_path / "keys"
     cmd = [sys.executable, "-m", "distill", "mode=keys", f"keys_dir={keys_dir}", "keys_clients=[w0,s1]",
            f"hydra.run.dir={tmp_path / 'run'}", "hydra.output_subdir=null"]
@@ -162,6 +162,4 @@ def test_mode_keys_writes_private_secrets_and_refuses_to_overwrite(tmp_path: Pat
     assert modes == {"server.key": 0o644, "server.key_secret": 0o600, "clients": 0o700,
                      "clients/w0.key": 0o644, "clients/w0.key_secret": 0o600,
                      "clients/s1.key": 0o644, "clients/s1.key_secret": 0o600}
-    assert stat.S_IMODE(keys_dir.stat().st_mode) == 0o700
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
-    assert again.returncode != 0 and "keys_overwrite=true" in again.stderr
+    assert stat.S_IMODE(keys_dir.stat().st_mode) == 0o700  # (refusing to overwrite: unit tests)
