@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing
 
 from distill.pipeline import Broker, setup_logging
+from distill.pipeline.auth import CurveConfig
 
 SPAWN = torch.multiprocessing.get_context("spawn")
 PR_SET_PDEATHSIG = 1
@@ -30,9 +31,9 @@ def child_init(parent_pid: int) -> None:
     setup_logging("WARNING")
 
 
-def run_broker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
+def run_broker(parent_pid: int, ready, endpoints: dict[str, str], curve: CurveConfig | None = None) -> None:
     child_init(parent_pid)
-    broker = Broker(**{f"{name}_endpoint": ep for name, ep in endpoints.items()})
+    broker = Broker(**{f"{name}_endpoint": ep for name, ep in endpoints.items()}, curve=curve)
     ready.set()
     broker.run()
 

@@ -36,6 +36,11 @@ load spoils a sub-window, not the cell). The memcpy reference is measured twice
 per size, before and after the other methods, and the faster run is kept. Ratios
 compare cells of the same run.
 
+``--auth`` adds the pipeline cells over TCP loopback, without and with CurveZMQ
+(``pipeline/<consumer> tcp`` and ``... tcp+curve``), and a table of their ratio:
+the throughput cost of authentication. Only control messages (REQUEST, WORK, DONE,
+COMPLETE, heartbeats) are encrypted; sample data still goes through shared memory.
+
 A second table splits the CPU time of each measuring window by process role
 (broker, producers/workers, consumer/student), per delivered sample, read from
 ``/proc/<pid>/stat`` (all threads: ZeroMQ I/O threads, heartbeats) before and after.
@@ -45,6 +50,7 @@ Run it from the repository root::
     python bench/pipeline.py               # full table, about 3 minutes
     python bench/pipeline.py --quick       # smoke run, about a minute
     python bench/pipeline.py --seconds 5   # longer measuring windows
+    python bench/pipeline.py --auth --methods dataset,client   # + TCP, TCP + CurveZMQ
 
 Ctrl-C stops it cleanly: child processes are stopped (and die with this process
 anyhow), shared-memory segments are unlinked, IPC sockets removed.
@@ -59,6 +65,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -79,6 +86,8 @@ from distill.pipeline import (
     TensorSpec,
     Worker,
 )
+from distill.pipeline.auth import CurveConfig, create_keys
+from distill.pipeline.endpoints import SOCKET_NAMES
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
 
 RING_BYTES = 1 << 30
@@ -184,11 +193,11 @@ def run_queue_producer(parent_pid: int, ready, samples: queue.Queue, sample_byte
 
 
 def run_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int,
-               max_batch: int, local_shm: bool = True) -> None:
+               max_batch: int, local_shm: bool = True, curve: CurveConfig | None = None) -> None:
     child_init(parent_pid)
     worker = Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes), max_batch=max_batch,
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-                    local_shm=local_shm)
+                    local_shm=local_shm, curve=curve)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE: the broker stays quiet
     ready.set()
     worker.run()
@@ -243,7 +252,7 @@ def measure(size: Size, method: str, procs: int, step: Callable[[], int], second
     elapsed = time.perf_counter() - start
     after = _cpu_by_role(roles)
     result = Result(size, method, procs, samples, elapsed, rates, {r: after[r] - before[r] for r in roles})
-    print(f"  {size.label:<8} {method:<18} x{procs}: {result.rate:>12,.0f} samples/s "
+    print(f"  {size.label:<8} {method:<26} x{procs}: {result.rate:>12,.0f} samples/s "
           f"{result.gb_per_s:6.2f} GB/s", file=sys.stderr, flush=True)
     return result
 
@@ -309,28 +318,65 @@ def bench_dataloader(size: Size, seconds: float, num_workers: int = 2) -> Iterat
         batches._shutdown_workers()  # what the iterator's __del__ does, but now
 
 
-def bench_pipeline(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int,
-                   consumers: list[str]) -> Iterator[Result]:
+@dataclass
+class Transport:
+    """Where the pipeline cells' broker listens, and with which keys (``--auth``)."""
+
+    label: str
+    """Appended to the method name: '' (ipc), 'tcp' or 'tcp+curve'."""
+    endpoints: dict[str, str]
+    broker: CurveConfig | None = None
+    worker: CurveConfig | None = None
+    student: CurveConfig | None = None
+    broker_pid: int = 0
+
+
+def transports(sock_dir: str, auth: bool) -> list[Transport]:
+    """ipc always; with ``auth``, TCP loopback without and with CurveZMQ (keys in ``sock_dir``)."""
+    ipc = Transport("", {name: f"ipc://{sock_dir}/{name}.sock" for name in SOCKET_NAMES})
+    if not auth:
+        return [ipc]
+    keys_dir = os.path.join(sock_dir, "keys")
+    create_keys(keys_dir, ["worker", "student"])
+    curve = Transport("tcp+curve", _loopback_endpoints(), broker=CurveConfig.from_keys_dir(keys_dir),
+                      worker=CurveConfig.from_keys_dir(keys_dir, "worker"),
+                      student=CurveConfig.from_keys_dir(keys_dir, "student"))
+    return [ipc, Transport("tcp", _loopback_endpoints()), curve]
+
+
+def _loopback_endpoints() -> dict[str, str]:
+    ports = {}
+    for name in SOCKET_NAMES:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports[name] = sock.getsockname()[1]
+    return {name: f"tcp://127.0.0.1:{port}" for name, port in ports.items()}
+
+
+def bench_pipeline(size: Size, seconds: float, transport: Transport, consumers: list[str]) -> Iterator[Result]:
     """1, then 2 worker processes fill the student's slots; the student is this process."""
     config = sample_config(size.sample_bytes)
+    endpoints = transport.endpoints
+    suffix = f" {transport.label}" if transport.label else ""
     with Children() as kids:
         workers = []
         for count in (1, 2):
-            workers.append(kids.start(run_worker, endpoints, size.sample_bytes, size.worker_batch))
-            roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
+            workers.append(kids.start(run_worker, endpoints, size.sample_bytes, size.worker_batch,
+                                      transport.worker))
+            roles = {"consumer": [os.getpid()], "broker": [transport.broker_pid], "producers": list(workers)}
             for consumer in consumers:
                 slots = size.slot_count if consumer == "client" else 1
                 with StudentClient(0, slots, config, endpoints["frontend"], endpoints["control"],
-                                   endpoints["control_pub"]) as client:
+                                   endpoints["control_pub"], curve=transport.student) as client:
                     client.hello()
                     client.set_model(f"bench-{size.sample_bytes}")
-                    with _pipeline_step(size, client, config, endpoints, consumer) as step:
-                        yield measure(size, f"pipeline/{consumer}", count, step, seconds, roles)
+                    with _pipeline_step(size, client, config, endpoints, consumer, transport.student) as step:
+                        yield measure(size, f"pipeline/{consumer}{suffix}", count, step, seconds, roles)
 
 
 @contextlib.contextmanager
 def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpoints: dict[str, str],
-                   consumer: str) -> Iterator[Callable[[], int]]:
+                   consumer: str, curve: CurveConfig | None = None) -> Iterator[Callable[[], int]]:
     """The student's step: a DistillIterableDataset batch, or request_sample/release_slot."""
     if consumer == "client":
         batch = _batch(size)
@@ -348,7 +394,7 @@ def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpo
         return
     dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
                                      endpoints["frontend"], batch_size=size.batch_size,
-                                     timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True)
+                                     timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True, curve=curve)
     batches = iter(dataset)
     try:
         yield lambda it=batches: len(next(it)["x"])
@@ -416,12 +462,12 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def print_throughput(results: list[Result]) -> None:
-    print(f"\n{'size':<8} {'method':<18} {'procs':>5} {'batch':>5} {'samples/s':>12} {'GB/s':>7} "
+    print(f"\n{'size':<8} {'method':<26} {'procs':>5} {'batch':>5} {'samples/s':>12} {'GB/s':>7} "
           f"{'vs memcpy':>9} {'vs Queue':>9}")
     for r in results:
         memcpy = _best(results, r.size, "cold memcpy")
         mpq = _best(results, r.size, "mp.Queue", procs=r.procs)
-        print(f"{r.size.label:<8} {r.method:<18} {r.procs or '-':>5} {r.size.batch_size:>5} "
+        print(f"{r.size.label:<8} {r.method:<26} {r.procs or '-':>5} {r.size.batch_size:>5} "
               f"{r.rate:>12,.0f} {r.gb_per_s:>7.2f} "
               f"{_fmt(r.rate / memcpy.rate if memcpy else None):>9} "
               f"{_fmt(r.rate / mpq.rate if mpq else None, 1):>9}")
@@ -435,7 +481,7 @@ TARGETS = {"4 KiB": ("mp.Queue", 15.0, 25.0), "256 KiB": ("cold memcpy", 0.15, 0
 
 def print_ratios(results: list[Result], sizes: tuple[Size, ...]) -> None:
     print("\nbest pipeline cell / best cell of each baseline (same size, same run)")
-    print(f"{'size':<8} {'best pipeline':<22} {'/ memcpy':>9} {'/ mp.Queue':>11} {'/ DataLoader':>13}  target")
+    print(f"{'size':<8} {'best pipeline':<30} {'/ memcpy':>9} {'/ mp.Queue':>11} {'/ DataLoader':>13}  target")
     for size in sizes:
         best = _best(results, size, "pipeline")
         if best is None:
@@ -444,7 +490,7 @@ def print_ratios(results: list[Result], sizes: tuple[Size, ...]) -> None:
         for method in ("cold memcpy", "mp.Queue", "DataLoader"):
             reference = _best(results, size, method)
             ratios[method] = best.rate / reference.rate if reference else None
-        print(f"{size.label:<8} {best.method + f' x{best.procs}':<22} {_fmt(ratios['cold memcpy']):>9} "
+        print(f"{size.label:<8} {best.method + f' x{best.procs}':<30} {_fmt(ratios['cold memcpy']):>9} "
               f"{_fmt(ratios['mp.Queue'], 1):>11} {_fmt(ratios['DataLoader'], 1):>13}  "
               f"{_verdict(size, ratios)}")
 
@@ -487,24 +533,42 @@ def _best(results: list[Result], size: Size, method: str, procs: int | None = No
     return max(found, key=lambda r: r.rate, default=None)
 
 
+def print_auth_cost(results: list[Result]) -> None:
+    """Each TCP cell with CurveZMQ against the same cell without it (and against ipc)."""
+    print("\nthe cost of authentication: pipeline over TCP loopback with CurveZMQ / without "
+          "(control messages encrypted; samples still through shared memory)")
+    print(f"{'size':<8} {'method':<26} {'procs':>5} {'ipc':>12} {'tcp':>12} {'tcp+curve':>12} "
+          f"{'curve/tcp':>9} {'curve/ipc':>9}")
+    for r in results:
+        if not r.method.endswith(" tcp+curve"):
+            continue
+        base = r.method.removesuffix(" tcp+curve")
+        tcp = next((x for x in results if x.size == r.size and x.procs == r.procs and x.method == f"{base} tcp"), None)
+        ipc = next((x for x in results if x.size == r.size and x.procs == r.procs and x.method == base), None)
+        print(f"{r.size.label:<8} {base:<26} {r.procs:>5} {_fmt(ipc.rate if ipc else None, 0):>12} "
+              f"{_fmt(tcp.rate if tcp else None, 0):>12} {r.rate:>12,.0f} "
+              f"{_fmt(r.rate / tcp.rate if tcp else None):>9} {_fmt(r.rate / ipc.rate if ipc else None):>9}")
+
+
 def print_cpu(results: list[Result]) -> None:
     cores = os.cpu_count() or 1
     print("\nCPU time per delivered sample (us) over the measuring window, by process role "
           "(pipeline: producers = workers, consumer = student);")
     print(f"budget = {cores} cores x wall time per sample: total near budget means CPU-bound")
-    print(f"{'size':<8} {'method':<18} {'procs':>5} {'broker':>9} {'producers':>10} {'consumer':>9} "
+    print(f"{'size':<8} {'method':<26} {'procs':>5} {'broker':>9} {'producers':>10} {'consumer':>9} "
           f"{'total':>9} {'budget':>9}")
     for r in results:
         roles = [r.us_per_sample(role) for role in ("broker", "producers", "consumer")]
         total = sum(v for v in roles if v is not None)
         budget = cores * r.seconds / r.samples * 1e6
-        print(f"{r.size.label:<8} {r.method:<18} {r.procs or '-':>5} {_fmt(roles[0]):>9} "
+        print(f"{r.size.label:<8} {r.method:<26} {r.procs or '-':>5} {_fmt(roles[0]):>9} "
               f"{_fmt(roles[1]):>10} {_fmt(roles[2]):>9} {total:>9.2f} {budget:>9.2f}")
 
 
 # --------------------------------------------------------------------------- main
-def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_bytes: int) -> list[Result]:
-    """Every method for every size; one broker process serves all pipeline cells."""
+def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_bytes: int,
+            auth: bool = False) -> list[Result]:
+    """Every method for every size; one broker process per transport serves its pipeline cells."""
     results: list[Result] = []
     ring = None
     if "memcpy" in methods:
@@ -512,11 +576,11 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
         ring.fill_(1)  # touch every page once, outside any window
     consumers = [c for c in ("dataset", "client") if c in methods]
     sock_dir = tempfile.mkdtemp(prefix="distill-bench-")
-    endpoints = {name: f"ipc://{sock_dir}/{name}.sock"
-                 for name in ("frontend", "backend", "control", "control_pub")}
     try:
         with Children() as shared:
-            broker_pid = shared.start(run_broker, endpoints) if consumers or "tcp" in methods else 0
+            routes = transports(sock_dir, auth) if consumers or "tcp" in methods else []
+            for route in routes:
+                route.broker_pid = shared.start(run_broker, route.endpoints, route.broker)
             for size in sizes:
                 cells: list[Result] = []
                 if ring is not None:  # the reference: its faster half, before or after the others
@@ -525,12 +589,12 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                     cells += bench_queue(size, seconds)
                 if "dataloader" in methods:
                     cells += bench_dataloader(size, seconds)
-                if consumers:
-                    cells += bench_pipeline(size, seconds, endpoints, broker_pid, consumers)
+                for route in routes if consumers else []:
+                    cells += bench_pipeline(size, seconds, route, consumers)
                 if "zmq" in methods:
                     cells += bench_zmq(size, seconds)
                 if "tcp" in methods:
-                    cells += bench_tcp_pipeline(size, seconds, endpoints, broker_pid)
+                    cells += bench_tcp_pipeline(size, seconds, routes[0].endpoints, routes[0].broker_pid)
                 if ring is not None:
                     cells[0] = max(cells[0], *bench_memcpy(size, seconds / 2, ring), key=lambda r: r.rate)
                 results += cells
@@ -552,6 +616,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", default="memcpy,queue,dataloader,dataset,client,zmq,tcp",
                         help="comma-separated subset of: memcpy, queue, dataloader, dataset, client, "
                              "zmq, tcp")
+    parser.add_argument("--auth", action="store_true",
+                        help="also run the pipeline over TCP loopback, without and with CurveZMQ")
     return parser.parse_args(argv)
 
 
@@ -567,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("distill").setLevel(logging.WARNING)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     try:
-        results = run_all(sizes, methods, seconds, QUICK_RING_BYTES if args.quick else RING_BYTES)
+        results = run_all(sizes, methods, seconds, QUICK_RING_BYTES if args.quick else RING_BYTES, args.auth)
     except KeyboardInterrupt:
         print("\ninterrupted: children stopped, shared memory released", file=sys.stderr)
         return 130
@@ -582,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     print_throughput(results)
     print_ratios(results, sizes)
     print_tcp_ratios(results, sizes)
+    if args.auth:
+        print_auth_cost(results)
     print_cpu(results)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0

@@ -40,12 +40,19 @@ def _stats(cfg: DictConfig) -> None:
     run_stats(cfg)
 
 
+def _keys(cfg: DictConfig) -> None:
+    from distill.keys import run_keys
+
+    run_keys(cfg)
+
+
 MODES: dict[str, Callable[[DictConfig], None]] = {
     "broker": _broker,
     "worker": _worker,
     "student": _student,
     "local": _local,
     "stats": _stats,
+    "keys": _keys,
 }
 
 

@@ -7,8 +7,10 @@ import os
 
 from omegaconf import DictConfig
 
+from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
 from distill.pipeline.slot import slot_stride
+from distill.runtime import curve_config
 from distill.stages import max_positions, plan_stages, sample_batch_config
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -24,6 +26,7 @@ def check_config(cfg: DictConfig) -> None:
     stages = plan_stages(num_layers, cfg.student.layers, cfg.student.layers_per_stage)
     if cfg.mode in ("student", "local"):
         _check_shm(cfg, max_positions(stages), hidden)
+    _check_auth(cfg)
 
 
 def _check_choices(cfg: DictConfig) -> None:
@@ -80,3 +83,27 @@ def _check_shm(cfg: DictConfig, positions: int, hidden: int) -> None:
     need = slot_stride(sample) * cfg.pipeline.slot_count * pools_per_rank * ranks
     check_shm_space(need, what=f"{ranks} rank(s) x {pools_per_rank} loader(s) x pipeline.slot_count="
                                f"{cfg.pipeline.slot_count} slots of {sample / 2**20:.1f} MiB")
+
+
+def _check_auth(cfg: DictConfig) -> None:
+    """With ``pipeline.auth_keys_dir`` set, the keys this mode needs are there and private.
+
+    Authentication works over ipc as over tcp, so ipc-only endpoints are no reason to
+    refuse it; mode=keys makes the keys and needs none.
+    """
+    keys_dir = cfg.pipeline.auth_keys_dir
+    if not keys_dir or cfg.mode == "keys":
+        return
+    if not os.path.isdir(os.path.expanduser(str(keys_dir))):
+        raise ValueError(f"pipeline.auth_keys_dir={keys_dir!r} does not exist; create it with "
+                         f"`python -m distill mode=keys keys_dir={keys_dir}` (or set pipeline.auth_keys_dir=null "
+                         "to turn authentication off)")
+    curve = curve_config(cfg)
+    try:
+        if cfg.mode in ("broker", "local"):
+            curve.server_keys()
+        if cfg.mode != "broker":
+            curve.client_keys()
+    except AuthError as exc:
+        raise ValueError(f"pipeline.auth_keys_dir={keys_dir!r}, pipeline.auth_client="
+                         f"{cfg.pipeline.auth_client!r}: {exc}") from exc

@@ -92,6 +92,13 @@ class PipelineConfig:
     """Broker: connected teacher workers."""
     max_runs: int = 1_024
     """Broker: runs with a model set (the jobs of sweeps sharing this broker)."""
+    auth_keys_dir: str | None = None
+    """CurveZMQ keys (made by ``mode=keys``): every connection to the broker is encrypted and only
+    clients whose public key is in <dir>/clients are served; null = no authentication (ipc
+    sockets are still private to the user through their 0700 directory)."""
+    auth_client: str = "client"
+    """This peer's key pair, <auth_keys_dir>/clients/<auth_client>.key_secret (workers, students,
+    stats); the broker uses server.key_secret instead."""
 
 
 @dataclass
@@ -153,6 +160,12 @@ class Config:
     evaluate: bool = True
     log_level: str = "INFO"
     stats_interval_s: float = 2.0
+    keys_dir: str | None = None
+    """mode=keys: where to write the key pairs; null = pipeline.auth_keys_dir."""
+    keys_clients: list[str] = field(default_factory=lambda: ["client"])
+    """mode=keys: one client key pair per name (a machine, or a role such as worker/student)."""
+    keys_overwrite: bool = False
+    """mode=keys: replace existing keys (machines holding the old ones are then refused)."""
 
 
 def register_configs() -> None:

@@ -25,9 +25,10 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from distill.pipeline.auth import CurveConfig
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
-from distill.runtime import configure_logging, endpoints, exit_on_sigterm, run_dir
+from distill.runtime import configure_logging, curve_config, endpoints, exit_on_sigterm, run_dir
 from distill.sources import teacher_source
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def run_local(cfg: DictConfig) -> None:
     finally:
         control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
                    else default_endpoint("control", socket_dir))
-        _stop_all(children, control)
+        _stop_all(children, control, curve_config(cfg))
         shutil.rmtree(socket_dir, ignore_errors=True)
         sweep_orphans(min_age_s=0)
 
@@ -131,10 +132,10 @@ def _tail(child: Child, lines: int = 20) -> None:
         log.error("last lines of %s:\n%s", child.log_path, "\n".join(text))
 
 
-def _stop_all(children: list[Child], control_endpoint: str) -> None:
+def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig | None = None) -> None:
     """Ask workers to stop (STOP), then SIGTERM what is left, then SIGKILL after a grace period."""
     if any(c.proc.poll() is None for c in children):
-        _publish_stop(control_endpoint)
+        _publish_stop(control_endpoint, curve)
     for child in reversed(children):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
@@ -148,17 +149,19 @@ def _stop_all(children: list[Child], control_endpoint: str) -> None:
             child.proc.wait()
 
 
-def _publish_stop(control_endpoint: str) -> None:
+def _publish_stop(control_endpoint: str, curve: CurveConfig | None = None) -> None:
     import zmq
 
     from distill.pipeline import protocol
+    from distill.pipeline.auth import AuthError, secure_client
     from distill.pipeline.protocol import Command
 
     try:
-        sock = protocol.configure(zmq.Context.instance().socket(zmq.DEALER))
+        keys = curve.client_keys() if curve is not None else None
+        sock = secure_client(protocol.configure(zmq.Context.instance().socket(zmq.DEALER)), keys)
         sock.connect(control_endpoint)
         protocol.send(sock, Command.STOP, {})
         sock.poll(500)
         sock.close(linger=0)
-    except zmq.ZMQError:
-        pass
+    except (zmq.ZMQError, AuthError):
+        pass  # the children get SIGTERM next anyway

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from distill.pipeline import setup_logging
+from distill.pipeline.auth import CurveConfig
 from distill.pipeline.endpoints import SOCKET_NAMES, default_endpoint, runtime_dir
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,13 @@ def endpoints(cfg: DictConfig) -> dict[str, str]:
 
 def endpoint_kwargs(cfg: DictConfig) -> dict[str, str]:
     return {f"{name}_endpoint": ep for name, ep in endpoints(cfg).items()}
+
+
+def curve_config(cfg: DictConfig) -> CurveConfig | None:
+    """The CurveZMQ keys of ``pipeline.auth_keys_dir`` (None: authentication off)."""
+    if not cfg.pipeline.auth_keys_dir:
+        return None
+    return CurveConfig.from_keys_dir(cfg.pipeline.auth_keys_dir, cfg.pipeline.auth_client)
 
 
 def run_id(cfg: DictConfig) -> str:

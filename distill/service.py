@@ -9,9 +9,16 @@ import zmq
 from omegaconf import DictConfig
 
 from distill.pipeline import Broker, protocol
+from distill.pipeline.auth import ClientKeys, secure_client
 from distill.pipeline.mediums.shm import sweep_orphans
 from distill.pipeline.protocol import Command
-from distill.runtime import configure_logging, endpoint_kwargs, endpoints, exit_on_sigterm
+from distill.runtime import (
+    configure_logging,
+    curve_config,
+    endpoint_kwargs,
+    endpoints,
+    exit_on_sigterm,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +32,8 @@ def run_broker(cfg: DictConfig) -> None:
     exit_on_sigterm()
     sweep_orphans()
     broker = Broker(**endpoint_kwargs(cfg), heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
-                    heartbeat_liveness=cfg.pipeline.heartbeat_liveness, **broker_limits(cfg))
+                    heartbeat_liveness=cfg.pipeline.heartbeat_liveness, curve=curve_config(cfg),
+                    **broker_limits(cfg))
     try:
         broker.run()
     except KeyboardInterrupt:
@@ -38,9 +46,9 @@ def broker_limits(cfg: DictConfig) -> dict[str, int]:
                                                   "max_workers", "max_runs")}
 
 
-def fetch_stats(frontend_endpoint: str, timeout_ms: int = 2000) -> dict | None:
+def fetch_stats(frontend_endpoint: str, timeout_ms: int = 2000, keys: ClientKeys | None = None) -> dict | None:
     """One STATS round trip; None when the broker does not answer."""
-    sock = protocol.configure(zmq.Context.instance().socket(zmq.DEALER))
+    sock = secure_client(protocol.configure(zmq.Context.instance().socket(zmq.DEALER)), keys)
     sock.connect(frontend_endpoint)
     try:
         protocol.send(sock, Command.STATS, {})
@@ -60,9 +68,11 @@ def run_stats(cfg: DictConfig) -> None:
     """Print the broker's counters every ``stats_interval_s`` until Ctrl-C."""
     configure_logging(cfg)
     frontend = endpoints(cfg)["frontend"]
+    curve = curve_config(cfg)
+    keys = curve.client_keys() if curve is not None else None
     try:
         while True:
-            stats = fetch_stats(frontend)
+            stats = fetch_stats(frontend, keys=keys)
             print(format_stats(stats) if stats else f"no answer from {frontend}", flush=True)
             time.sleep(cfg.stats_interval_s)
     except KeyboardInterrupt:

@@ -33,7 +33,14 @@ from tqdm import tqdm
 
 from distill import checkpoint as ckpt
 from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient
-from distill.runtime import configure_logging, endpoints, exit_on_sigterm, run_dir, run_id
+from distill.runtime import (
+    configure_logging,
+    curve_config,
+    endpoints,
+    exit_on_sigterm,
+    run_dir,
+    run_id,
+)
 from distill.sources import load_chunks, load_teacher, load_tokenizer, teacher_source
 from distill.stages import Stage, max_positions, plan_stages, sample_batch_config
 from distill.teacher import Teacher
@@ -171,7 +178,7 @@ class StageTrainer:
             eps["frontend"], run_id=run_id(ctx.cfg), batch_size=self.scfg.micro_batch_size,
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
             heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, medium=ctx.cfg.pipeline.medium,
-            tcp_host=ctx.cfg.pipeline.tcp_host)
+            tcp_host=ctx.cfg.pipeline.tcp_host, curve=curve_config(ctx.cfg))
         workers = self.scfg.loader_workers
         self.loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                                  pin_memory=ctx.device.type == "cuda",
@@ -355,7 +362,7 @@ def _setup_context(cfg: DictConfig) -> StudentContext:
     eps = endpoints(cfg)
     client = StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                            run_id=run_id(cfg), heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
-                           heartbeat_liveness=cfg.pipeline.heartbeat_liveness)
+                           heartbeat_liveness=cfg.pipeline.heartbeat_liveness, curve=curve_config(cfg))
     client.hello()
     if rank != 0:
         client.start_sub_listener()

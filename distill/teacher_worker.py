@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from distill.data import sample_indices
 from distill.pipeline import SlotTarget, Worker
-from distill.runtime import configure_logging, endpoints, exit_on_sigterm
+from distill.runtime import configure_logging, curve_config, endpoints, exit_on_sigterm
 from distill.sources import load_chunks, load_teacher, load_tokenizer
 from distill.stages import Stage, plan_stages, sample_batch_config
 from distill.teacher import Teacher
@@ -67,7 +67,7 @@ def build_worker(cfg: DictConfig) -> Worker:
                   max_batch=cfg.pipeline.worker_max_batch,
                   heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
                   heartbeat_liveness=cfg.pipeline.heartbeat_liveness,
-                  local_shm=cfg.pipeline.local_shm)
+                  local_shm=cfg.pipeline.local_shm, curve=curve_config(cfg))
 
 
 def run_worker(cfg: DictConfig) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.utils.data
 
 from distill.pipeline import BatchConfig, Broker, SlotTarget, TensorSpec, Worker, setup_logging
+from distill.pipeline.auth import CurveConfig
 
 PAYLOAD_FLOATS = 256
 
@@ -46,17 +47,18 @@ def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> 
 
 
 def run_worker(endpoints: dict[str, str], floats: int = PAYLOAD_FLOATS, max_batch: int = 16,
-               heartbeat_interval_s: float = 0.2, local_shm: bool = True) -> None:
+               heartbeat_interval_s: float = 0.2, local_shm: bool = True,
+               curve: CurveConfig | None = None) -> None:
     setup_logging("WARNING")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     Worker(batch_fn=fill_targets, batch_config=batch_config(floats), max_batch=max_batch,
            backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-           heartbeat_interval_s=heartbeat_interval_s, local_shm=local_shm).run()
+           heartbeat_interval_s=heartbeat_interval_s, local_shm=local_shm, curve=curve).run()
 
 
 def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results, *,
                 leader: bool, batch_size: int | None, num_workers: int = 2,
-                slot_count: int = 32) -> None:
+                slot_count: int = 32, curve: CurveConfig | None = None) -> None:
     """Consume ``num_samples`` verified samples through a DataLoader; report counts."""
     from torch.utils.data import DataLoader
 
@@ -65,7 +67,7 @@ def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results,
     setup_logging("WARNING")
     config = batch_config()
     with StudentClient(rank, 4, config, endpoints["frontend"], endpoints["control"],
-                       endpoints["control_pub"]) as client:
+                       endpoints["control_pub"], curve=curve) as client:
         client.hello()
         if leader:
             client.set_model("m0")
@@ -74,7 +76,7 @@ def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results,
             client.wait_generation(1)
         dataset = DistillIterableDataset(rank, client.generation_value, slot_count, config,
                                          endpoints["frontend"], batch_size=batch_size, with_meta=True,
-                                         timeout_s=60)
+                                         timeout_s=60, curve=curve)
         loader = DataLoader(dataset, batch_size=None if batch_size else 8, num_workers=num_workers)
         seen: set[tuple[int, int]] = set()
         corrupt = duplicates = 0

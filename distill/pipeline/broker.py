@@ -44,6 +44,7 @@ from typing import Any
 import zmq
 
 from distill.pipeline import protocol
+from distill.pipeline.auth import CurveConfig, ServerKeys, start_authenticator
 from distill.pipeline.endpoints import default_endpoint, prepare_endpoint
 from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 from distill.pipeline.protocol import Command, Message, ProtocolError
@@ -142,7 +143,8 @@ class Broker:
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS,
                  max_queued_per_run: int = MAX_QUEUED_PER_RUN, max_queued: int = MAX_QUEUED,
                  max_queued_per_student: int = MAX_QUEUED_PER_STUDENT, max_students: int = MAX_STUDENTS,
-                 max_workers: int = MAX_WORKERS, max_runs: int = MAX_RUNS) -> None:
+                 max_workers: int = MAX_WORKERS, max_runs: int = MAX_RUNS,
+                 curve: CurveConfig | None = None) -> None:
         self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
         self.backend_endpoint = backend_endpoint or default_endpoint("backend")
         self.control_endpoint = control_endpoint or default_endpoint("control")
@@ -155,6 +157,8 @@ class Broker:
         _check_limits(self)
         self._queued_by_student: dict[bytes, int] = {}  # student identity -> slots in run queues
         self._refusals = LogThrottle(log)
+        # Read (and checked) now, so a bad key fails in the caller, not in the thread.
+        self._keys: ServerKeys | None = curve.server_keys() if curve is not None else None
         self._runs: dict[str, RunState] = {}
         self._workers: dict[str, WorkerPeer] = {}  # by peer_id
         self._students: dict[str, StudentPeer] = {}  # by peer_id
@@ -177,16 +181,29 @@ class Broker:
     def run(self) -> None:
         """Serve until :meth:`stop` (blocking)."""
         ctx = zmq.Context()
-        socks = self._bind(ctx)
+        authenticator = start_authenticator(ctx, self._keys) if self._keys is not None else None
+        try:
+            socks = self._bind(ctx)
+        except BaseException:
+            self._close_context(ctx, authenticator)
+            raise
         self._ready.set()
-        log.info("broker serving: frontend=%s backend=%s", self.frontend_endpoint, self.backend_endpoint)
+        log.info("broker serving: frontend=%s backend=%s%s", self.frontend_endpoint, self.backend_endpoint,
+                 " (CurveZMQ: allowed clients only)" if authenticator is not None else "")
         try:
             self._loop(*socks)
         finally:
             for sock in socks:
                 sock.close(linger=0)
-            ctx.term()
+            self._close_context(ctx, authenticator)
             log.info("broker stopped")
+
+    @staticmethod
+    def _close_context(ctx: zmq.Context, authenticator: Any) -> None:
+        """Stop the ZAP handler (its socket lives in ``ctx``) before terminating ``ctx``."""
+        if authenticator is not None:
+            authenticator.stop()
+        ctx.term()
 
     def start(self) -> Broker:
         """Serve from a background thread; returns once the sockets are bound."""
@@ -223,13 +240,27 @@ class Broker:
             sock = protocol.configure(ctx.socket(kind), hwm=protocol.BROKER_SNDHWM,
                                       rcvhwm=protocol.BROKER_RCVHWM)
             try:
+                prepare_endpoint(endpoint)
+                if self._keys is not None:
+                    self._keys.apply(sock)
                 sock.bind(endpoint)
-            except zmq.ZMQError as exc:
+            except (zmq.ZMQError, OSError) as exc:
                 for s in socks + [sock]:
                     s.close(linger=0)
-                raise OSError(f"broker cannot bind {endpoint}: {exc}; is another broker running?") from exc
+                if isinstance(exc, zmq.ZMQError):
+                    raise OSError(f"broker cannot bind {endpoint}: {exc}; is another broker running?") from exc
+                raise
             socks.append(sock)
+        self._warn_if_open()
         return tuple(socks)
+
+    def _warn_if_open(self) -> None:
+        tcp = [ep for ep in (self.frontend_endpoint, self.backend_endpoint, self.control_endpoint,
+                             self.control_pub_endpoint) if ep.startswith("tcp://")]
+        if tcp and self._keys is None:
+            log.warning("%s take anyone who can reach them: turn on CurveZMQ authentication "
+                        "(Broker(curve=...), pipeline.auth_keys_dir) on networks you do not trust",
+                        ", ".join(tcp))
 
     # ------------------------------------------------------------------ loop
     def _loop(self, frontend: zmq.Socket, backend: zmq.Socket, control: zmq.Socket,

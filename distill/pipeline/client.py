@@ -34,6 +34,7 @@ import torch
 import zmq
 
 from distill.pipeline import protocol
+from distill.pipeline.auth import ClientKeys, CurveConfig, HandshakeWatch, secure_client
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import (
@@ -89,7 +90,8 @@ class SlotPool:
                  role: str = "student", request_batch: int | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
-                 tcp_host: str | None = None) -> None:
+                 tcp_host: str | None = None, curve: CurveConfig | ClientKeys | None = None) -> None:
+        keys = curve.client_keys() if isinstance(curve, CurveConfig) else curve  # before any resource
         sweep_orphans()
         self.run_id = run_id
         self.payload_bytes = payload_bytes
@@ -112,11 +114,11 @@ class SlotPool:
         self._slot_views_config: BatchConfig | None = None
         self.request_batch = request_batch or max(1, slot_count // 4)
         self._ctx = zmq.Context()
-        self._sock = protocol.configure(self._ctx.socket(zmq.DEALER))
+        self._sock = secure_client(protocol.configure(self._ctx.socket(zmq.DEALER)), keys)
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.connect(frontend_endpoint)
         self._heart = Heartbeater(frontend_endpoint, self.peer_id, role, interval_s=heartbeat_interval_s,
-                                  liveness=heartbeat_liveness).start()
+                                  liveness=heartbeat_liveness, keys=keys).start()
         self._free: deque[int] = deque(range(slot_count))
         self._pending: dict[int, int] = {}  # slot -> request id
         self._ready: deque[tuple[int, int, int]] = deque()  # (slot, generation, request id)
@@ -203,6 +205,7 @@ class SlotPool:
                 got = self._take_ready(max_count)
                 if got:
                     return got
+            self._check_refused()
             self.flush()
             self._check_broker()
             if self._quarantined:
@@ -415,6 +418,11 @@ class SlotPool:
             if process_alive(process) is False:
                 self._unquarantine(slot)
 
+    def _check_refused(self) -> None:
+        """A broker that refuses our key never answers: say so instead of waiting forever."""
+        if self._heart.refusal is not None:
+            raise PermissionError(f"{self.peer_id}: {self._heart.refusal}")
+
     def _check_broker(self) -> None:
         """After a broker restart (or it purged us) ask again for everything pending.
 
@@ -443,7 +451,8 @@ class SlotPool:
                                                   "rank": rank})
         deadline = time.monotonic() + timeout_ms / 1000
         while (left := deadline - time.monotonic()) > 0:
-            if self._sock.poll(left * 1000):
+            self._check_refused()
+            if self._sock.poll(min(left, 0.1) * 1000):
                 try:
                     welcome = self._on_message(protocol.recv(self._sock))
                 except ProtocolError as exc:
@@ -479,6 +488,7 @@ class SlotPool:
         self._closed = True
         self._heart.stop()
         with contextlib.suppress(zmq.ZMQError):
+            self._sock.setsockopt(zmq.SNDTIMEO, 100)  # no route to the broker (refused key): skip BYE
             protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
         self._sock.close(linger=100)
         self._ctx.term()
@@ -506,11 +516,13 @@ class StudentClient:
                  control_pub_endpoint: str | None = None, *, run_id: str = DEFAULT_RUN,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
-                 tcp_host: str | None = None, leader_epoch: int | None = None) -> None:
+                 tcp_host: str | None = None, leader_epoch: int | None = None,
+                 curve: CurveConfig | None = None) -> None:
         self.student_rank = student_rank
         # The newest leader of a run wins: a later start gets a larger epoch, so a
         # leader left over from an earlier incarnation of the job is refused.
         self.leader_epoch = time.time_ns() if leader_epoch is None else leader_epoch
+        self._keys = curve.client_keys() if curve is not None else None
         self.batch_config = batch_config
         self.run_id = run_id
         self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
@@ -523,7 +535,8 @@ class StudentClient:
         self._pool = SlotPool(self.frontend_endpoint, run_id, slot_count, batch_config.nbytes(),
                               self._current_generation, self._note_generation,
                               heartbeat_interval_s=heartbeat_interval_s,
-                              heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host)
+                              heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host,
+                              curve=self._keys)
         self._pool.on_rejoin = self._rejoin
         self._requested = False
         self._held: set[int] = set()
@@ -621,7 +634,7 @@ class StudentClient:
 
     def _listen(self, ready: threading.Event) -> None:
         ctx = zmq.Context.instance()
-        sub = protocol.configure(ctx.socket(zmq.SUB))
+        sub = secure_client(protocol.configure(ctx.socket(zmq.SUB)), self._keys)
         sub.setsockopt(zmq.SUBSCRIBE, self.run_id.encode())
         sub.connect(self.control_pub_endpoint)
         ready.set()
@@ -642,15 +655,22 @@ class StudentClient:
 
     def _control(self, command: Command, body: dict) -> protocol.Message:
         ctx = zmq.Context.instance()
-        sock = protocol.configure(ctx.socket(zmq.DEALER))
+        sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), self._keys)
+        watch = HandshakeWatch(sock) if self._keys is not None else None
         sock.connect(self.control_endpoint)
         try:
             protocol.send(sock, command, body)
-            if not sock.poll(CONTROL_TIMEOUT_MS):
-                raise TimeoutError(f"no answer to {command.name} from {self.control_endpoint}: "
-                                   "is the broker running?")
+            deadline = time.monotonic() + CONTROL_TIMEOUT_MS / 1000
+            while not sock.poll(100):
+                if watch is not None and (refusal := watch.refusal()) is not None:
+                    raise PermissionError(f"{command.name} not delivered: {refusal}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no answer to {command.name} from {self.control_endpoint}: "
+                                       "is the broker running?")
             return protocol.recv(sock)
         finally:
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)
 
     def _rejoin(self) -> None:

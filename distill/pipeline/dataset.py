@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from distill.pipeline.auth import CurveConfig
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.client import DEFAULT_RUN, SlotPool
 from distill.pipeline.endpoints import default_endpoint
@@ -57,7 +58,7 @@ class DistillIterableDataset(IterableDataset):
                  timeout_s: float | None = None, reuse_batches: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
-                 tcp_host: str | None = None) -> None:
+                 tcp_host: str | None = None, curve: CurveConfig | None = None) -> None:
         super().__init__()
         if batch_size is not None and batch_size > slot_count:
             raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
@@ -81,6 +82,10 @@ class DistillIterableDataset(IterableDataset):
         self.medium = medium
         """``shm`` (one machine) or ``tcp`` (workers elsewhere send the samples over TCP)."""
         self.tcp_host = tcp_host
+        if curve is not None:
+            curve.client_keys()  # a bad key fails here, not later in every DataLoader worker
+        self.curve = curve
+        """Paths, not keys: each process that iterates reads (and checks) the keys itself."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
@@ -104,7 +109,7 @@ class DistillIterableDataset(IterableDataset):
                         role=f"dataset{self.student_rank}",
                         heartbeat_interval_s=self.heartbeat_interval_s,
                         heartbeat_liveness=self.heartbeat_liveness, medium=self.medium,
-                        tcp_host=self.tcp_host)
+                        tcp_host=self.tcp_host, curve=self.curve)
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.

@@ -33,7 +33,8 @@ def default_endpoint(name: str, directory: str | Path | None = None) -> str:
 
 
 def prepare_endpoint(endpoint: str) -> None:
-    """Before binding an ipc endpoint: make its directory private to the user."""
+    """Before binding an ipc endpoint: make its directory private to the user, or refuse
+    one that another user owns or could enter (an ipc socket has no other protection)."""
     if not endpoint.startswith("ipc://"):
         return
     directory = Path(endpoint[len("ipc://"):]).parent
@@ -43,5 +44,7 @@ def prepare_endpoint(endpoint: str) -> None:
     if st.st_uid != os.getuid():
         raise PermissionError(f"{directory} belongs to another user; choose another socket directory")
     if stat.S_IMODE(st.st_mode) & 0o077:
-        log.warning("%s is open to other users: anyone there can talk to the broker; "
-                    "use a private directory for ipc endpoints", directory)
+        raise PermissionError(f"{directory} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                              "anyone who can enter it could talk to the broker; run "
+                              f"`chmod 700 {directory}` or choose a private socket directory "
+                              "(pipeline.socket_dir)")

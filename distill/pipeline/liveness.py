@@ -9,6 +9,7 @@ answer that it has forgotten us. Either way the owner re-registers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -18,6 +19,7 @@ import uuid
 import zmq
 
 from distill.pipeline import protocol
+from distill.pipeline.auth import ClientKeys, HandshakeWatch, secure_client
 from distill.pipeline.protocol import Command, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,11 @@ class Heartbeater:
 
     def __init__(self, endpoint: str, peer_id: str, role: str, *,
                  interval_s: float = HEARTBEAT_INTERVAL_S,
-                 liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 liveness: int = HEARTBEAT_LIVENESS, keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.keys = keys
+        self.refusal: str | None = None
+        """Why the broker refuses our CurveZMQ handshakes (None: it does not, or no keys)."""
         self.peer_id = peer_id
         self.role = role
         self.interval_s = interval_s
@@ -65,20 +70,37 @@ class Heartbeater:
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
-        sock = protocol.configure(ctx.socket(zmq.DEALER), hwm=10)
+        sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER), hwm=10), self.keys)
+        sock.setsockopt(zmq.SNDTIMEO, int(self.interval_s * 1000))  # no route to the broker: skip a beat
+        watch = HandshakeWatch(sock) if self.keys is not None else None
         sock.connect(self.endpoint)
         try:
             # The first beat waits one interval, so the owner's own first message
             # (READY, REQUEST) reaches the broker before the broker hears of us here.
-            while not self._stop.wait(0 if self._beats else self.interval_s):
+            self._listen(sock, watch)
+            while not self._stop.is_set():
                 self._beats += 1
-                protocol.send(sock, Command.HEARTBEAT, {"peer_id": self.peer_id, "role": self.role})
-                deadline = time.monotonic() + self.interval_s
-                while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
-                    if sock.poll(min(left, 0.1) * 1000):
-                        self._on_reply(sock)
+                with contextlib.suppress(zmq.Again):
+                    protocol.send(sock, Command.HEARTBEAT, {"peer_id": self.peer_id, "role": self.role})
+                self._listen(sock, watch)
         finally:
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)
+
+    def _listen(self, sock: zmq.Socket, watch: HandshakeWatch | None) -> None:
+        """Take the broker's answers for one interval (and note a refused handshake)."""
+        deadline = time.monotonic() + self.interval_s
+        while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+            if sock.poll(min(left, 0.1) * 1000):
+                self._on_reply(sock)
+            if watch is not None:
+                self._note_refusal(watch.refusal())
+
+    def _note_refusal(self, refusal: str | None) -> None:
+        if refusal is not None and refusal != self.refusal:
+            log.error("%s: %s", self.peer_id, refusal)
+        self.refusal = refusal
 
     def _on_reply(self, sock: zmq.Socket) -> None:
         try:

@@ -35,6 +35,7 @@ import torch
 import zmq
 
 from distill.pipeline import protocol
+from distill.pipeline.auth import CurveConfig, secure_client
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import (
@@ -115,7 +116,8 @@ class Worker:
                  batch_config: BatchConfig | None = None, max_batch: int = 32,
                  prefetch_batches: int = 2, checksum: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, local_shm: bool = True) -> None:
+                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, local_shm: bool = True,
+                 curve: CurveConfig | None = None) -> None:
         if (generator_fn is None) == (batch_fn is None):
             raise ValueError("Worker needs exactly one of generator_fn= (per sample) or batch_fn= (batched)")
         if slot_size is None:
@@ -137,6 +139,7 @@ class Worker:
         self.checksum = checksum
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
+        self._keys = curve.client_keys() if curve is not None else None  # checked here, not in run()
         self._generation: dict[str, int] = {}
         self._model_id: str | None = None
         self._last_run = "default"
@@ -163,19 +166,21 @@ class Worker:
     def run(self) -> None:
         """Serve until STOP is published or :meth:`stop` is called (blocking)."""
         ctx = zmq.Context()
-        sock = protocol.configure(ctx.socket(zmq.DEALER))
+        sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), self._keys)
         sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         sock.connect(self.backend_endpoint)
-        sub = protocol.configure(ctx.socket(zmq.SUB))
+        sub = secure_client(protocol.configure(ctx.socket(zmq.SUB)), self._keys)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.control_pub_endpoint)
-        heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker",
-                            interval_s=self.heartbeat_interval_s, liveness=self.heartbeat_liveness).start()
+        heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=self.heartbeat_interval_s,
+                            liveness=self.heartbeat_liveness, keys=self._keys).start()
         try:
             self._serve(sock, sub, heart)
         finally:
             heart.stop()
-            protocol.send(sock, Command.BYE, {"peer_id": self.peer_id})
+            sock.setsockopt(zmq.SNDTIMEO, 100)  # no route to the broker (refused key): skip BYE
+            with contextlib.suppress(zmq.Again):
+                protocol.send(sock, Command.BYE, {"peer_id": self.peer_id})
             sock.close(linger=100)
             sub.close(linger=0)
             ctx.term()
@@ -205,6 +210,8 @@ class Worker:
                 return
             if sock in events:
                 self._process(self._collect_work(sock), sock)
+            if heart.refusal is not None:  # the broker will never answer: stop with the reason
+                raise PermissionError(f"worker {self.peer_id}: {heart.refusal}")
             if heart.forgotten.is_set() or not heart.broker_alive:
                 self._rejoin(sock, heart)
             self._maybe_drop_segments()

@@ -76,3 +76,18 @@ def test_an_installed_wheel_carries_the_config(tmp_path: Path) -> None:
     assert "distill/conf/config.yaml" in names
     for group, option in _options():
         assert f"distill/conf/{group}/{option}.yaml" in names
+
+
+def test_auth_settings_are_checked_per_mode(tmp_path: Path) -> None:
+    from distill.pipeline.auth import create_keys
+
+    missing = str(tmp_path / "nokeys")
+    with pytest.raises(ValueError, match=r"pipeline\.auth_keys_dir=.*does not exist.*mode=keys"):
+        check_config(_compose(["mode=worker", f"pipeline.auth_keys_dir={missing}"]))
+    create_keys(tmp_path / "keys", ["w0"])
+    keys = f"pipeline.auth_keys_dir={tmp_path / 'keys'}"
+    for mode in ("broker", "worker", "local"):  # ipc endpoints with authentication: fine
+        check_config(_compose([f"mode={mode}", keys, "pipeline.auth_client=w0"]))
+    with pytest.raises(ValueError, match=r"pipeline\.auth_client='w9'.*w9\.key_secret does not exist"):
+        check_config(_compose(["mode=student", keys, "pipeline.auth_client=w9"]))
+    check_config(_compose(["mode=broker", keys, "pipeline.auth_client=w9"]))  # the broker needs no client key

@@ -1,0 +1,350 @@
+"""CurveZMQ authentication: who may talk to the broker, with pyzmq's own CURVE and ZAP.
+
+Without keys, anyone who can reach an endpoint can ask for work, fill slots or
+switch the model. IPC endpoints are reachable only through their private (0700)
+directory (see ``endpoints.py``); TCP endpoints are reachable by anyone on the
+network. With a :class:`CurveConfig`, every socket of the broker is a CURVE server
+and every socket of a peer a CURVE client, whatever the transport (one rule: keys on
+means every connection is encrypted and authenticated). The broker admits only
+clients whose public key is in its allow-list directory: a ZAP handler
+(``zmq.auth.thread.ThreadAuthenticator``) in the broker's context checks each
+handshake, so a peer without an allowed key never completes one and none of its
+messages (HELLO, REQUEST, READY, SET_MODEL, ...) reaches the broker.
+
+Key layout, as ``python -m distill mode=keys`` writes it (see :func:`create_keys`)::
+
+    <keys_dir>/                 0700
+      server.key                public key of the broker   -> every machine
+      server.key_secret         the broker's secret (0600) -> the broker's machine only
+      clients/                  the broker's allow-list: every public ``*.key`` in it is admitted
+        <name>.key              public key of a client     -> the broker's machine
+        <name>.key_secret       its secret (0600)          -> the machine of that client only
+
+Secret files must be private to the user (no group/other permission bits): a key
+anyone can read authenticates anyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "server"
+CLIENTS_DIR = "clients"
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+ZAP_DOMAIN = "distill"
+REFUSAL_LOG_INTERVAL_S = 60.0
+"""A refused key is logged at most once per interval (its peer keeps reconnecting)."""
+
+
+class AuthError(ValueError):
+    """A key file or directory that cannot be used; the message says what to change."""
+
+
+def require_curve() -> None:
+    """Fail clearly when this libzmq was built without CURVE (libsodium/tweetnacl)."""
+    if not zmq.has("curve"):
+        raise AuthError(f"libzmq {zmq.zmq_version()} has no CURVE support, so authentication cannot "
+                        "be turned on; install a pyzmq wheel (bundles libzmq with CURVE) or turn "
+                        "authentication off")
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """What the broker needs: its key pair and the directory of admitted public keys."""
+
+    public: bytes
+    secret: bytes
+    allowed_dir: Path
+
+    def apply(self, sock: zmq.Socket) -> zmq.Socket:
+        """Make ``sock`` a CURVE server whose handshakes the ZAP handler checks (before bind)."""
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        return sock
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a peer needs: the broker's public key and its own key pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def apply(self, sock: zmq.Socket) -> zmq.Socket:
+        """Make ``sock`` a CURVE client of the broker (before connect)."""
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+        return sock
+
+
+def secure_client(sock: zmq.Socket, keys: ClientKeys | None) -> zmq.Socket:
+    """``keys.apply(sock)``, or ``sock`` unchanged when authentication is off."""
+    return sock if keys is None else keys.apply(sock)
+
+
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+
+class HandshakeWatch:
+    """Why the broker refuses a client socket's handshakes (ZeroMQ's socket monitor).
+
+    A refused CURVE client gets no error from send or recv: its messages just never
+    leave. Watching the handshake events turns that silence into a reason a peer can
+    report. Create it before ``connect``; :meth:`refusal` is None while handshakes
+    succeed (or none has finished yet).
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        self._refusal: str | None = None
+
+    def refusal(self) -> str | None:
+        """The reason of the latest failed handshake, or None after a successful one."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            endpoint = event["endpoint"].decode(errors="replace")
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._refusal = None
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refusal = (f"the broker at {endpoint} refused this peer's key (ZAP status "
+                                 f"{event['value']}): add its public .key to the broker's allow-list")
+            else:
+                self._refusal = (f"CurveZMQ handshake with {endpoint} failed: both sides need keys "
+                                 "(or neither), and this peer needs the broker's server.key")
+        return self._refusal
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """Where the CurveZMQ keys are. The broker reads the first two, peers the last two.
+
+    Plain paths, so the config pickles into DataLoader workers; keys are read (and
+    their permissions checked) by :meth:`server_keys` / :meth:`client_keys`.
+    """
+
+    server_secret_file: str | Path | None = None
+    """The broker's ``server.key_secret``."""
+    allowed_clients_dir: str | Path | None = None
+    """The broker's allow-list: a directory of admitted clients' public ``*.key`` files."""
+    server_public_file: str | Path | None = None
+    """Peers: the broker's ``server.key``."""
+    client_secret_file: str | Path | None = None
+    """Peers: this peer's ``<name>.key_secret``."""
+
+    @classmethod
+    def from_keys_dir(cls, keys_dir: str | Path, client_name: str = "client") -> CurveConfig:
+        """The files of the layout ``mode=keys`` writes (module docstring)."""
+        root = Path(keys_dir).expanduser()
+        return cls(server_secret_file=root / f"{SERVER_NAME}{SECRET_SUFFIX}",
+                   allowed_clients_dir=root / CLIENTS_DIR,
+                   server_public_file=root / f"{SERVER_NAME}{PUBLIC_SUFFIX}",
+                   client_secret_file=root / CLIENTS_DIR / f"{client_name}{SECRET_SUFFIX}")
+
+    def server_keys(self) -> ServerKeys:
+        """Read and check the broker's keys; :class:`AuthError` naming the file otherwise."""
+        require_curve()
+        if self.server_secret_file is None or self.allowed_clients_dir is None:
+            raise AuthError("the broker needs server_secret_file and allowed_clients_dir to authenticate")
+        public, secret = read_secret_file(self.server_secret_file)
+        return ServerKeys(public, secret, check_allow_list(self.allowed_clients_dir))
+
+    def client_keys(self) -> ClientKeys:
+        """Read and check a peer's keys; :class:`AuthError` naming the file otherwise."""
+        require_curve()
+        if self.server_public_file is None or self.client_secret_file is None:
+            raise AuthError("a peer needs server_public_file and client_secret_file to authenticate")
+        public, secret = read_secret_file(self.client_secret_file)
+        return ClientKeys(read_public_file(self.server_public_file), public, secret)
+
+
+def read_public_file(path: str | Path) -> bytes:
+    """The z85 public key in a ``.key`` file."""
+    return _load(path)[0]
+
+
+def read_secret_file(path: str | Path) -> tuple[bytes, bytes]:
+    """(public, secret) of a ``.key_secret`` file that only its owner can read."""
+    path = Path(path)
+    public, secret = _load(path)
+    if secret is None:
+        raise AuthError(f"{path} holds no secret key; give the .key_secret file that mode=keys wrote")
+    _check_private(path)
+    return public, secret
+
+
+def _load(path: str | Path) -> tuple[bytes, bytes | None]:
+    path = Path(path)
+    if not path.is_file():
+        raise AuthError(f"key file {path} does not exist; create keys with "
+                        "`python -m distill mode=keys keys_dir=...` and copy the file there")
+    try:
+        return zmq.auth.load_certificate(path)
+    except OSError as exc:
+        raise AuthError(f"cannot read key file {path}: {exc}") from exc
+    except ValueError as exc:
+        raise AuthError(f"{path} is not a ZeroMQ certificate ({exc}); use the files mode=keys wrote") from exc
+
+
+def _check_private(path: Path) -> None:
+    """A secret must belong to this user and be closed to everyone else."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise AuthError(f"secret key {path} belongs to uid {st.st_uid}, not to this user; "
+                        "copy it and own the copy")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise AuthError(f"secret key {path} is readable by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`")
+
+
+def check_allow_list(directory: str | Path) -> Path:
+    """The allow-list directory, checked: it exists and only its owner can add keys to it."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AuthError(f"allow-list directory {directory} does not exist; it holds the public "
+                        "*.key files of the admitted clients (mode=keys writes <keys_dir>/clients)")
+    st = directory.stat()
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o022:
+        raise AuthError(f"allow-list directory {directory} can be changed by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}): anyone could admit "
+                        f"themselves; run `chmod 700 {directory}` as its owner")
+    if not list(directory.glob(f"*{PUBLIC_SUFFIX}")):
+        log.warning("allow-list %s holds no *%s file: no client will be admitted", directory, PUBLIC_SUFFIX)
+    return directory
+
+
+class AllowList:
+    """pyzmq credentials provider: the public keys in a directory.
+
+    The directory is read again when it changes (its mtime), so deleting a client's
+    ``.key`` refuses its next connection without restarting the broker. A refusal
+    is logged, once per key and interval: the refused peer keeps reconnecting.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.refused = 0
+        self._keys: set[bytes] = set()
+        self._mtime_ns: int | None = None
+        self._logged: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: may the peer with this z85 public key connect?"""
+        with self._lock:
+            allowed = key in self._current()
+            if not allowed:
+                self._note_refusal(key)
+        return allowed
+
+    def _current(self) -> set[bytes]:
+        try:
+            mtime_ns = self.directory.stat().st_mtime_ns
+        except OSError:
+            return set()  # the allow-list vanished: admit nobody
+        if mtime_ns != self._mtime_ns:
+            self._keys = set(zmq.auth.load_certificates(self.directory))
+            self._mtime_ns = mtime_ns
+        return self._keys
+
+    def _note_refusal(self, key: bytes) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged.get(key, -REFUSAL_LOG_INTERVAL_S) >= REFUSAL_LOG_INTERVAL_S:
+            self._logged[key] = now
+            log.warning("refused a peer whose public key %s is not in the allow-list %s",
+                        key.decode(errors="replace"), self.directory)
+
+
+def start_authenticator(ctx: zmq.Context, keys: ServerKeys) -> ThreadAuthenticator:
+    """The ZAP handler for ``ctx`` (start it before binding CURVE server sockets in it)."""
+    authenticator = ThreadAuthenticator(ctx, log=log.getChild("zap"))
+    authenticator.start()
+    authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=AllowList(keys.allowed_dir))
+    return authenticator
+
+
+@dataclass(frozen=True)
+class KeyFiles:
+    """The files :func:`create_keys` wrote."""
+
+    server_public: Path
+    server_secret: Path
+    clients: dict[str, tuple[Path, Path]]
+    """name -> (public, secret)."""
+
+
+def create_keys(keys_dir: str | Path, client_names: list[str], *, overwrite: bool = False) -> KeyFiles:
+    """Write a server key pair and one pair per client in the layout of the module docstring.
+
+    Directories are made 0700 and secrets 0600. Existing keys are kept unless
+    ``overwrite``: new keys lock out every machine that holds the old ones.
+    """
+    require_curve()
+    names = _check_client_names(client_names)
+    root = Path(keys_dir).expanduser()
+    clients_dir = root / CLIENTS_DIR
+    targets = [root / SERVER_NAME, *(clients_dir / name for name in names)]
+    existing = [str(t) + suffix for t in targets for suffix in (PUBLIC_SUFFIX, SECRET_SUFFIX)
+                if Path(str(t) + suffix).exists()]
+    if existing and not overwrite:
+        raise AuthError(f"keys exist already ({', '.join(existing[:3])}{', ...' if len(existing) > 3 else ''}); "
+                        "set keys_overwrite=true to replace them (machines holding the old keys "
+                        "are then refused), or choose another keys_dir")
+    for directory in (root, clients_dir):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory.chmod(0o700)
+    written = [_create_pair(target) for target in targets]
+    return KeyFiles(*written[0], clients=dict(zip(names, written[1:], strict=True)))
+
+
+def _check_client_names(client_names: list[str]) -> list[str]:
+    names = [str(name) for name in client_names]
+    if not names:
+        raise AuthError("keys_clients is empty; name at least one client (a worker or student machine)")
+    for name in names:
+        if not name or name == SERVER_NAME or not all(c.isalnum() or c in "-_." for c in name) \
+                or name.startswith("."):
+            raise AuthError(f"keys_clients: {name!r} is not a usable key name; use letters, digits, "
+                            f"'-', '_' or '.', and not {SERVER_NAME!r}")
+    if len(set(names)) != len(names):
+        raise AuthError(f"keys_clients {names} names a client twice")
+    return names
+
+
+def _create_pair(target: Path) -> tuple[Path, Path]:
+    """One key pair: ``<target>.key`` (0644) and ``<target>.key_secret`` (0600)."""
+    public, secret = Path(str(target) + PUBLIC_SUFFIX), Path(str(target) + SECRET_SUFFIX)
+    for path in (public, secret):
+        path.unlink(missing_ok=True)
+    old_umask = os.umask(0o077)  # the secret is never readable by others, not even briefly
+    try:
+        zmq.auth.create_certificates(target.parent, target.name)
+    finally:
+        os.umask(old_umask)
+    secret.chmod(0o600)
+    public.chmod(0o644)
+    return public, secret
