@@ -58,3 +58,28 @@ def test_mix_ramps_from_teacher_to_student_inputs_per_sample() -> None:
     resumed = ClosedLoopInputs(teacher, stage, frozen, "mix", total_steps=3, grad_accum_steps=1, start_step=2,
                                seed=0)
     torch.testing.assert_close(resumed(hidden_BPTD, teacher_inputs, {})[1], student_B)
+
+
+def test_worker_sends_the_embeddings_for_a_closed_loop_stage() -> None:
+    from distill.data import sample_indices
+    from distill.pipeline.slot import HEADER_BYTES, slot_stride
+    from distill.pipeline.worker import SlotTarget
+    from distill.stages import sample_batch_config
+    from distill.teacher_worker import TeacherTargets
+
+    teacher = tiny_llama(vocab_size=50, num_layers=3)
+    train_NT = torch.randint(0, 50, (10, 8))
+    stage = Stage(0, (2,), closed_loop=True)
+    config = sample_batch_config(len(stage.positions), 8, 32, "float32")
+    stride = slot_stride(config.nbytes())
+    buf = bytearray(2 * stride)
+    views = [memoryview(buf)[i * stride + HEADER_BYTES:][:config.nbytes()] for i in range(2)]
+    TeacherTargets(teacher, train_NT, seed=0)(stage.model_id, stage.model_cfg,
+                                                [SlotTarget(i, 1, v, config.decode(v)) for i, v in enumerate(views)])
+    rows = sample_indices(10, [0, 1], 0)
+    captured = teacher.capture(train_NT[rows], [0, 2])
+    for i, view in enumerate(views):
+        hidden_PTD = config.decode(view)["hidden"]
+        torch.testing.assert_close(hidden_PTD[0], teacher.embed(train_NT[rows[i]][None])[0])
+        torch.testing.assert_close(hidden_PTD[stage.io_index(2)[0]], captured[2][0][i])
+        torch.testing.assert_close(hidden_PTD[stage.io_index(2)[1]], captured[2][1][i])

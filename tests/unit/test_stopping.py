@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from distill.stages import Stage, closed_loop, e2e_stage, e2e_top_k, plan_stages, sample_batch_config
+from distill.stages import (
+    Stage,
+    closed_loop,
+    e2e_stage,
+    e2e_top_k,
+    plan_stages,
+    sample_batch_config,
+)
 from distill.stopping import Patience, budget_steps, stop_reason, with_budget
 
 
