@@ -17,6 +17,7 @@ the end-to-end stage).
 
     python bench/quality.py                                   # linear_attention and mlp, ~10 min on 2 cores
     python bench/quality.py --replacements mlp --steps 100 --e2e-steps 100
+    python bench/quality.py --work-dir DIR     # keeps the runs; a rerun with DIR reuses finished ones
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ from pathlib import Path
 log = logging.getLogger("bench.quality")
 
 ROOT = Path(__file__).resolve().parent.parent
-ATTEMPTS = 2
-"""A failed run is retried once; it resumes from its checkpoints."""
+ATTEMPTS = 4
+"""A failed run is retried (it resumes from its checkpoints): on a loaded machine a start-up
+can time out."""
 
 
 def run_app(name: str, overrides: list[str], work: Path, timeout_s: float) -> dict:
     """One `mode=local` run in its own directories; returns its result.json."""
     run_dir, ckpt = work / name / "run", work / name / "ckpt"
+    if (run_dir / "result.json").exists():  # a --work-dir of an earlier bench: reuse its finished runs
+        log.info("%s: reusing %s", name, run_dir)
+        return json.loads((run_dir / "result.json").read_text())
     cmd = [sys.executable, "-m", "distill", "mode=local", f"run_id=q{os.getpid()}{name}", *overrides,
            f"checkpoint_dir={ckpt}", f"hydra.run.dir={run_dir}", "log_level=WARNING"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
