@@ -32,7 +32,7 @@ E2E_STAGE = 2
 def _overrides(tmp_path: Path) -> list[str]:
     return [*_tiny(tmp_path, layers=2), "local.num_workers=1", "run_id=qualitye2e", f"checkpoint_dir={tmp_path / 'ckpt'}",
             "replacement=mlp", "student.inputs=mix", "student.steps_per_stage=8", "student.val_every_steps=2",
-            "student.patience=1", "student.min_delta=10", "student.e2e.steps=60", "student.e2e.trainable=lora",
+            "student.patience=1", "student.min_delta=10", "student.e2e.steps=30", "student.e2e.trainable=lora",
             "student.e2e.lr=1e-2", "student.e2e.top_k=8", "student.e2e.hidden_weight=0.1",
             "student.checkpoint_every_steps=4"]
 
@@ -67,7 +67,7 @@ def test_closed_loop_patience_and_e2e_stage_resume_after_kill(tmp_path: Path) ->
     assert [(m["steps"], m["stopped"]) for m in layer_ends] == [(4, "patience"), (4, "patience")]
     run2 = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert [m["stage"] for m in run2 if m["event"] == "stage_end"] == [E2E_STAGE]
-    assert run2[-1]["event"] == "stage_end" and run2[-1]["steps"] == 60
+    assert run2[-1]["event"] == "stage_end" and run2[-1]["steps"] == 30
     assert any(m["event"] == "e2e_val" for m in run2) and any(m["event"] == "e2e_train" for m in run2)
 
     result_json = json.loads((tmp_path / "run2" / "result.json").read_text())
