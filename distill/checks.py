@@ -7,8 +7,6 @@ import os
 
 from omegaconf import DictConfig
 
-from distill.closed_loop import INPUT_MODES
-from distill.e2e import TRAINABLE as E2E_TRAINABLE
 from distill.pipeline.mediums.shm import check_shm_space
 from distill.pipeline.slot import slot_stride
 from distill.stages import closed_loop, e2e_top_k, max_positions, plan_stages, sample_batch_config
@@ -16,6 +14,12 @@ from distill.stages import closed_loop, e2e_top_k, max_positions, plan_stages, s
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOSSES = ("nmse", "cosine")
 SOURCES = ("pydoc", "text", "hf_dataset")
+INPUT_MODES = ("teacher", "student", "mix")
+"""Values of student.inputs (see distill.closed_loop)."""
+E2E_TRAINABLE = ("replacements", "lora", "all")
+"""Values of student.e2e.trainable (see distill.e2e). Both live here, not in their modules:
+every mode runs these checks at start-up, and the broker must not pay for importing
+torch models to do so."""
 
 
 def check_config(cfg: DictConfig) -> None:

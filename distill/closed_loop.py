@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from distill import checkpoint as ckpt
+from distill.checks import INPUT_MODES
 from distill.stages import Stage
 from distill.teacher import Teacher
 
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from distill.student import StudentContext
 
 log = logging.getLogger(__name__)
-
-INPUT_MODES = ("teacher", "student", "mix")
 
 
 def student_fraction(mode: str, step: int, total_steps: int) -> float:

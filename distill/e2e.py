@@ -33,13 +33,12 @@ import torch
 from torch import nn
 
 from distill.assemble import splice
+from distill.checks import E2E_TRAINABLE as TRAINABLE
 from distill.lora import add_lora
 from distill.pipeline import SlotTarget
 from distill.teacher import Teacher
 
 log = logging.getLogger(__name__)
-
-TRAINABLE = ("replacements", "lora", "all")
 
 
 # ---------------------------------------------------------------------- loss
