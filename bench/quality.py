@@ -15,7 +15,7 @@ and the share of the teacher-forced gap the end-to-end stage recovers,
 end-to-end numbers come from one run (its result.json holds the student before and after
 the end-to-end stage).
 
-    python bench/quality.py                                   # linear_attention and mlp, ~10 min on 2 cores
+    python bench/quality.py                                   # linear_attention and mlp, ~20 min on 2 busy cores
     python bench/quality.py --replacements mlp --steps 100 --e2e-steps 100
     python bench/quality.py --work-dir DIR     # keeps the runs; a rerun with DIR reuses finished ones
 """
@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replacements", nargs="+", default=["linear_attention", "mlp"])
     parser.add_argument("--steps", type=int, default=200, help="student.steps_per_stage")
     parser.add_argument("--inputs", default="student", choices=["student", "mix"])
-    parser.add_argument("--e2e-steps", type=int, default=200)
+    parser.add_argument("--e2e-steps", type=int, default=400)
     parser.add_argument("--trainable", default="replacements", choices=["replacements", "lora", "all"])
-    parser.add_argument("--e2e-lr", type=float, default=1e-3)
+    parser.add_argument("--e2e-lr", type=float, default=3e-3)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)

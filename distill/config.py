@@ -98,11 +98,12 @@ class E2EConfig:
     merged back at the end) or ``all`` (every parameter of the student, teacher parts too)."""
     top_k: int = 32
     """Teacher log-probabilities sent per token (the k most likely tokens)."""
-    temperature: float = 2.0
-    """KL at this temperature (loss scaled by temperature^2, as in Hinton et al. 2015)."""
+    temperature: float = 1.0
+    """KL at this temperature (loss scaled by temperature^2, as in Hinton et al. 2015); above 1
+    it weights the teacher's less likely tokens more."""
     hidden_weight: float = 0.0
     """Weight of an extra NMSE term between the student's and teacher's final hidden state."""
-    lr: float = 3e-4
+    lr: float = 3e-3
     warmup_steps: int = 5
     micro_batch_size: int | None = None
     """null = student.micro_batch_size."""
