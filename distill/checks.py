@@ -11,19 +11,25 @@ from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
 from distill.pipeline.slot import slot_stride
 from distill.runtime import curve_config
-from distill.stages import max_positions, plan_stages, sample_batch_config
+from distill.stages import closed_loop, e2e_top_k, max_positions, plan_stages, sample_batch_config
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOSSES = ("nmse", "cosine")
 SOURCES = ("pydoc", "text", "hf_dataset")
 MEDIUMS = ("shm", "tcp")
+INPUT_MODES = ("teacher", "student", "mix")
+"""Values of student.inputs (see distill.closed_loop)."""
+E2E_TRAINABLE = ("replacements", "lora", "all")
+"""Values of student.e2e.trainable (see distill.e2e). Both live here, not in their modules:
+every mode runs these checks at start-up, and the broker must not pay for importing
+torch models to do so."""
 
 
 def check_config(cfg: DictConfig) -> None:
     """Fail fast, before any process starts, on settings that cannot work."""
     _check_choices(cfg)
     num_layers, hidden = _teacher_shape(cfg)
-    stages = plan_stages(num_layers, cfg.student.layers, cfg.student.layers_per_stage)
+    stages = plan_stages(num_layers, cfg.student.layers, cfg.student.layers_per_stage, closed_loop(cfg.student))
     if cfg.mode in ("student", "local"):
         _check_shm(cfg, max_positions(stages), hidden)
     _check_auth(cfg)
@@ -49,6 +55,30 @@ def _check_choices(cfg: DictConfig) -> None:
     for key in ("steps_per_stage", "micro_batch_size", "grad_accum_steps"):
         if cfg.student[key] < 1:
             raise ValueError(f"student.{key}={cfg.student[key]} must be >= 1")
+    _check_quality_choices(cfg)
+
+
+def _check_quality_choices(cfg: DictConfig) -> None:
+    """Closed-loop inputs, early stopping and the end-to-end stage."""
+    student = cfg.student
+    if student.inputs not in INPUT_MODES:
+        raise ValueError(f"student.inputs={student.inputs!r}: choose one of {INPUT_MODES}")
+    if student.patience and not student.val_every_steps:
+        raise ValueError(f"student.patience={student.patience} needs periodic validation: "
+                         "set student.val_every_steps > 0, or patience=0")
+    if student.max_tokens_per_stage is not None and student.max_tokens_per_stage < 1:
+        raise ValueError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
+    e2e = student.e2e
+    if e2e.steps <= 0:
+        return
+    if e2e.trainable not in E2E_TRAINABLE:
+        raise ValueError(f"student.e2e.trainable={e2e.trainable!r}: choose one of {E2E_TRAINABLE}")
+    if e2e.top_k < 1 or e2e.temperature <= 0:
+        raise ValueError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
+                         f"{e2e.temperature} > 0")
+    if not cfg.teacher.name_or_path and cfg.teacher.tiny.family != "llama":
+        raise ValueError("student.e2e.steps > 0 needs a teacher with an LM head; the tiny "
+                         f"{cfg.teacher.tiny.family} teacher has none: set student.e2e.steps=0")
 
 
 def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
@@ -77,7 +107,8 @@ def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
 
 
 def _check_shm(cfg: DictConfig, positions: int, hidden: int) -> None:
-    sample = sample_batch_config(positions, cfg.data.seq_len, hidden, cfg.teacher.dtype).nbytes()
+    sample = sample_batch_config(positions, cfg.data.seq_len, hidden, cfg.teacher.dtype,
+                                 top_k=e2e_top_k(cfg.student)).nbytes()
     pools_per_rank = max(1, cfg.student.loader_workers)
     ranks = cfg.local.num_students if cfg.mode == "local" else 1
     need = slot_stride(sample) * cfg.pipeline.slot_count * pools_per_rank * ranks

@@ -110,6 +110,35 @@ class DeviceConfig:
 
 
 @dataclass
+class E2EConfig:
+    """End-to-end stage: the assembled student learns the teacher's next-token distribution.
+
+    Layer stages train each replacement on the teacher's inputs, so their errors add up
+    once all are spliced in; this stage trains the whole student on KL divergence against
+    the teacher's top-k log-probabilities at a temperature, streamed by the workers.
+    """
+
+    steps: int = 0
+    """Optimizer steps of the end-to-end stage; 0 = no such stage (the default)."""
+    trainable: str = "replacements"
+    """``replacements`` (their parameters), ``lora`` (low-rank adapters on their linear maps,
+    merged back at the end) or ``all`` (every parameter of the student, teacher parts too)."""
+    top_k: int = 32
+    """Teacher log-probabilities sent per token (the k most likely tokens)."""
+    temperature: float = 1.0
+    """KL at this temperature (loss scaled by temperature^2, as in Hinton et al. 2015); above 1
+    it weights the teacher's less likely tokens more."""
+    hidden_weight: float = 0.0
+    """Weight of an extra NMSE term between the student's and teacher's final hidden state."""
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    micro_batch_size: int | None = None
+    """null = student.micro_batch_size."""
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+
+
+@dataclass
 class StudentConfig:
     layers: list[int] | None = None
     """Teacher layers to replace; null = all."""
@@ -131,6 +160,21 @@ class StudentConfig:
     """DataLoader worker processes per rank reading slots (0 = in the training process)."""
     log_every_steps: int = 5
     seed: int = 0
+    inputs: str = "teacher"
+    """What each replacement is fed while it trains: ``teacher`` (the teacher's own input of
+    its layer), ``student`` (closed loop: the output of the already-trained replacements
+    0..l-1, run from the teacher's embeddings, so it learns to correct their errors) or
+    ``mix`` (per sample, student inputs with a probability rising from 0 to 1 over the stage)."""
+    max_tokens_per_stage: int | None = None
+    """Token budget of a layer stage: it ends after this many training tokens (all ranks) even
+    before ``steps_per_stage``; the schedule is fitted to the shorter stage. null = no budget."""
+    patience: int = 0
+    """End a stage when validation (every ``val_every_steps``) has not improved by more than
+    ``min_delta`` for this many validations in a row; 0 = never stop early."""
+    min_delta: float = 0.0
+    """Smallest drop of the mean validation loss that counts as an improvement (for ``patience``)."""
+    e2e: E2EConfig = field(default_factory=E2EConfig)
+    """The optional end-to-end stage after the layer stages (off while ``e2e.steps`` is 0)."""
 
 
 @dataclass

@@ -36,6 +36,7 @@ def config_fingerprint(cfg: DictConfig, teacher_source: str) -> str:
 def finish_run(ctx: StudentContext) -> None:
     """Rebuild every trained replacement from its stage file, export, evaluate, report."""
     from distill.assemble import export_student
+    from distill.e2e_stage import e2e_finished, load_e2e_student, student_score
     from distill.evaluate import evaluate
     from distill.replacements import describe
     from distill.report import read_metrics, write_report
@@ -52,18 +53,25 @@ def finish_run(ctx: StudentContext) -> None:
         for layer in stage.layers:
             replacements[layer] = module.blocks[str(layer)].eval()
             cfgs[layer] = OmegaConf.to_container(cfg.replacement, resolve=True)
-    out = export_student(teacher, teacher_source(cfg), replacements, cfgs, str(ctx.out_dir / "student"),
+    base, final = teacher, replacements
+    if e2e_finished(ctx):
+        base, final = load_e2e_student(ctx)
+    out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
                          tokenizer=load_tokenizer(cfg))
     log.info("student exported to %s  (load it: from distill import load_student; "
              "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
     summary = {"teacher": teacher_source(cfg), "replacement": cfgs[min(cfgs)].get("_target_"),
                "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
-               "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size}
+               "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size,
+               "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
     result = None
     if cfg.evaluate and len(ctx.heldout_NT):
         started = time.monotonic()
         result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
+        if final is not replacements:  # the exported student had an end-to-end stage
+            summary["student_after_layer_stages"] = result.student
+            result.student = student_score(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
         ctx.timings["evaluate_s"] = time.monotonic() - started
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
     metrics = read_metrics(str(ctx.out_dir / "metrics.jsonl"))

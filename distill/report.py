@@ -169,6 +169,9 @@ def write_report(
         _overall_section(eval_result),
         _layer_section(metrics, eval_result, describe_rows),
     ]
+    quality = _quality_section(metrics, config_summary)
+    if quality:
+        sections.append(quality)
     if timings:
         sections.append(_timing_section(timings))
     sections.append(f"## Losses\n\n![training and validation losses]({PLOT_FILE})")
@@ -272,6 +275,25 @@ def _sum_ratio(rows: list[dict], key: str, teacher_key: str) -> float | None:
         return None
     teacher_total = sum(row[teacher_key] for row in rows)
     return sum(row[key] for row in rows) / teacher_total if teacher_total else None
+
+
+def _quality_section(metrics: list[dict], config_summary: dict) -> str:
+    """Stages that ended before their step count, and the end-to-end stage's effect."""
+    lines = []
+    early = [m for m in _events(metrics, "stage_end") if m.get("stopped") not in (None, "steps")]
+    if early:
+        lines += ["Stages that ended early: " + ", ".join(
+            f"stage {m['stage']} ({m['stopped']} after {m['steps']} steps, {_fmt_int(m.get('tokens'))} tokens)"
+            for m in early) + "."]
+    before = config_summary.get("student_after_layer_stages")
+    e2e_val = _events(metrics, "e2e_val")
+    if before is not None:
+        lines += [f"Student after the layer stages: {_fmt(before)}; the exported student above has also "
+                  "had the end-to-end stage."]
+    if e2e_val:
+        lines += ["", "| end-to-end step | held-out perplexity |", "| --- | --- |",
+                  *(f"| {m['step']} | {_fmt(m['ppl'])} |" for m in e2e_val)]
+    return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
 
 
 def _timing_section(timings: dict[str, float]) -> str:

@@ -7,11 +7,19 @@ states instead of 2k; each replacement still sees the teacher's own input.
 
 The payload layout is fixed for a whole run (the largest stage), so a student's
 slots never need resizing between stages.
+
+Two options widen that layout. A closed-loop stage (``student.inputs=student|mix``) also
+carries position 0, the embeddings, from which the student runs its own trained
+replacements to build each layer's input. When the end-to-end stage is on, every sample
+has room for the teacher's top-k next-token log-probabilities (``topk_logp`` and
+``topk_idx``, [T, k]); that stage writes the teacher's final hidden state into
+``hidden[0]`` (see :mod:`distill.e2e`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from distill.pipeline import BatchConfig, TensorSpec
 
@@ -20,26 +28,49 @@ from distill.pipeline import BatchConfig, TensorSpec
 class Stage:
     index: int
     layers: tuple[int, ...]
+    closed_loop: bool = False
+    """The sample also carries the embeddings (position 0) for closed-loop inputs."""
+    kind: str = "layers"
+    """``layers`` (per-layer targets) or ``e2e`` (top-k log-probabilities of the full model)."""
 
     @property
     def positions(self) -> tuple[int, ...]:
         """Boundary positions whose hidden states a sample carries, ascending."""
-        return tuple(sorted({p for layer in self.layers for p in (layer, layer + 1)}))
+        boundaries = {p for layer in self.layers for p in (layer, layer + 1)}
+        if self.closed_loop:
+            boundaries.add(0)
+        return tuple(sorted(boundaries))
 
     @property
     def model_id(self) -> str:
-        return f"stage{self.index}:layers" + ",".join(map(str, self.layers))
+        if self.kind == "e2e":
+            return f"stage{self.index}:e2e"
+        loop = ":closed" if self.closed_loop else ""
+        return f"stage{self.index}:layers" + ",".join(map(str, self.layers)) + loop
 
     @property
     def model_cfg(self) -> dict:
-        return {"stage": self.index, "layers": list(self.layers)}
+        cfg: dict = {"stage": self.index, "layers": list(self.layers)}
+        if self.closed_loop:
+            cfg["closed_loop"] = True
+        if self.kind != "layers":
+            cfg["kind"] = self.kind
+        return cfg
+
+    @classmethod
+    def from_model_cfg(cls, model_cfg: dict | None) -> Stage:
+        """The stage a worker is asked for (inverse of ``model_cfg``)."""
+        model_cfg = model_cfg or {}
+        return cls(int(model_cfg.get("stage", 0)), tuple(model_cfg["layers"]),
+                   bool(model_cfg.get("closed_loop", False)), str(model_cfg.get("kind", "layers")))
 
     def io_index(self, layer: int) -> tuple[int, int]:
         """Indices into the sample's ``hidden`` of layer's input and output."""
         return self.positions.index(layer), self.positions.index(layer + 1)
 
 
-def plan_stages(num_layers: int, layers: list[int] | None, layers_per_stage: int) -> list[Stage]:
+def plan_stages(num_layers: int, layers: list[int] | None, layers_per_stage: int,
+                closed_loop: bool = False) -> list[Stage]:
     """Split the layers to replace into stages of ``layers_per_stage``."""
     chosen = sorted(set(range(num_layers) if layers is None else layers))
     bad = [layer for layer in chosen if not 0 <= layer < num_layers]
@@ -51,16 +82,37 @@ def plan_stages(num_layers: int, layers: list[int] | None, layers_per_stage: int
     if not chosen:
         raise ValueError("student.layers is empty: name at least one layer, or null for all")
     groups = [chosen[i:i + layers_per_stage] for i in range(0, len(chosen), layers_per_stage)]
-    return [Stage(i, tuple(group)) for i, group in enumerate(groups)]
+    return [Stage(i, tuple(group), closed_loop) for i, group in enumerate(groups)]
 
 
 def max_positions(stages: list[Stage]) -> int:
     return max(len(stage.positions) for stage in stages)
 
 
-def sample_batch_config(num_positions: int, seq_len: int, hidden_size: int, dtype: str) -> BatchConfig:
-    """The layout of one sample: token ids + ``num_positions`` hidden states."""
-    return BatchConfig([
+def sample_batch_config(num_positions: int, seq_len: int, hidden_size: int, dtype: str,
+                        top_k: int = 0) -> BatchConfig:
+    """The layout of one sample: token ids + ``num_positions`` hidden states (+ top-k log-probs)."""
+    specs = [
         TensorSpec("input_ids", (seq_len,), "int64"),
         TensorSpec("hidden", (num_positions, seq_len, hidden_size), dtype),
-    ])
+    ]
+    if top_k:
+        specs += [TensorSpec("topk_logp", (seq_len, top_k), "float32"),
+                  TensorSpec("topk_idx", (seq_len, top_k), "int64")]
+    return BatchConfig(specs)
+
+
+def closed_loop(student_cfg: Any) -> bool:
+    """Whether layer stages feed replacements student-built inputs (``student.inputs``)."""
+    return student_cfg.inputs != "teacher"
+
+
+def e2e_top_k(student_cfg: Any) -> int:
+    """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on."""
+    return int(student_cfg.e2e.top_k) if student_cfg.e2e.steps > 0 else 0
+
+
+def e2e_stage(stages: list[Stage]) -> Stage:
+    """The end-to-end stage that follows the layer stages. It trains the whole student, so it
+    names no layers (the report counts no layer budget against it)."""
+    return Stage(len(stages), (), kind="e2e")

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from distill import checkpoint as ckpt
+from distill.closed_loop import ClosedLoopInputs, build_closed_loop
 from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient
 from distill.runtime import (
     configure_logging,
@@ -42,7 +43,15 @@ from distill.runtime import (
     run_id,
 )
 from distill.sources import load_chunks, load_teacher, load_tokenizer, teacher_source
-from distill.stages import Stage, max_positions, plan_stages, sample_batch_config
+from distill.stages import (
+    Stage,
+    closed_loop,
+    e2e_top_k,
+    max_positions,
+    plan_stages,
+    sample_batch_config,
+)
+from distill.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -125,9 +134,11 @@ class StageTrainer:
     def __init__(self, ctx: StudentContext, stage: Stage) -> None:
         self.ctx = ctx
         self.stage = stage
-        self.scfg = ctx.cfg.student
+        self.scfg = with_budget(ctx.cfg.student, ctx.world_size, ctx.cfg.data.seq_len)
         self.start_step = 0
         self._loader_iter = None
+        self.closed_loop: ClosedLoopInputs | None = None
+        self.patience = Patience(self.scfg.patience, self.scfg.min_delta)
 
     # -- setup
     def setup(self) -> None:
@@ -136,6 +147,11 @@ class StageTrainer:
         self._maybe_resume()
         self._setup_data()
         self._setup_validation()
+        self._setup_inputs()
+
+    def _setup_inputs(self) -> None:
+        """Closed-loop input builder (``student.inputs``); None for teacher inputs."""
+        self.closed_loop = build_closed_loop(self.ctx, self.stage, self.scfg.steps_per_stage, self.start_step)
 
     def _setup_model(self) -> None:
         torch.manual_seed(self.scfg.seed + self.stage.index)
@@ -209,6 +225,7 @@ class StageTrainer:
         samples = 0
         losses: dict[int, float] = {}
         self.model.train()
+        steps_done, stopped = self.start_step, stop_reason(self.ctx.cfg.student, total)
         for step in range(self.start_step, total):
             step_started = time.monotonic()
             for micro in range(accum):
@@ -226,23 +243,35 @@ class StageTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             compute_s += time.monotonic() - step_started
             bar.update(1)
-            done = step + 1
+            done = steps_done = step + 1
             if done % self.scfg.log_every_steps == 0 or done == total:
                 self._log_train(done, losses, float(grad_norm), samples, started, wait_s, compute_s, bar)
-            if self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total:
-                self.validate(done)
+            validate_now = self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total
+            if validate_now and self._out_of_patience(self.validate(done)):
+                stopped = STOP_PATIENCE
+                break
             if self.scfg.checkpoint_every_steps and done % self.scfg.checkpoint_every_steps == 0 \
                     and done < total:
                 self.save_checkpoint(done)
         bar.close()
         self._report_starvation(wait_s, compute_s, samples, time.monotonic() - started)
-        val = self.validate(total)
+        val = self.validate(steps_done)
         self.ctx.timings["student_wait_s"] = self.ctx.timings.get("student_wait_s", 0.0) + wait_s
         self.ctx.timings["student_step_s"] = self.ctx.timings.get("student_step_s", 0.0) + compute_s
         self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "layers": list(self.stage.layers),
-                              "steps": total, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
-                              "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()}})
+                              "steps": steps_done, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
+                              "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},
+                              "stopped": stopped})
         return val
+
+    def _out_of_patience(self, val: dict[int, float]) -> bool:
+        """Leader decides from its validation (others have none); every rank gets the verdict."""
+        stop = bool(val) and self.patience.update(sum(val.values()) / len(val))
+        stop = bool(_broadcast_int(int(stop), self.ctx))
+        if stop and self.ctx.leader:
+            log.info("stage %d: validation has not improved for %d validations: stopping early",
+                     self.stage.index, self.scfg.patience)
+        return stop
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
         hidden_BPTD = batch["hidden"].to(self.ctx.device, non_blocking=True)
@@ -251,6 +280,8 @@ class StageTrainer:
             i, o = self.stage.io_index(layer)
             inputs[layer] = hidden_BPTD[:, i].float()
             targets[layer] = hidden_BPTD[:, o]
+        if self.closed_loop is not None:
+            inputs = self.closed_loop(hidden_BPTD, inputs, self.module.blocks)
         preds = self.model(inputs)
         per_layer = {layer: layer_loss(preds[layer], targets[layer], self.scfg.loss) for layer in preds}
         loss = torch.stack(list(per_layer.values())).mean()
@@ -340,6 +371,10 @@ def run_student(cfg: DictConfig) -> None:
             trainer.train()
             trainer.finish()
             trainer.cleanup()
+        if cfg.student.e2e.steps > 0:
+            from distill.e2e_stage import run_e2e_stage
+
+            run_e2e_stage(ctx, finished)
         if ctx.leader:
             from distill.finish import finish_run
 
@@ -354,9 +389,10 @@ def run_student(cfg: DictConfig) -> None:
 def _setup_context(cfg: DictConfig) -> StudentContext:
     rank, world_size, device = _setup_distributed(cfg)
     teacher = load_teacher(cfg, device)
-    stages = plan_stages(teacher.num_layers, cfg.student.layers, cfg.student.layers_per_stage)
+    stages = plan_stages(teacher.num_layers, cfg.student.layers, cfg.student.layers_per_stage,
+                         closed_loop(cfg.student))
     batch_config = sample_batch_config(max_positions(stages), cfg.data.seq_len, teacher.hidden_size,
-                                       cfg.teacher.dtype)
+                                       cfg.teacher.dtype, top_k=e2e_top_k(cfg.student))
     chunks = load_chunks(cfg, load_tokenizer(cfg)) if rank == 0 else None
     heldout = chunks.heldout_NT if chunks is not None else torch.zeros(0, cfg.data.seq_len, dtype=torch.long)
     eps = endpoints(cfg)

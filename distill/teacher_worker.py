@@ -14,10 +14,11 @@ import torch
 from omegaconf import DictConfig
 
 from distill.data import sample_indices
+from distill.e2e import write_e2e_targets
 from distill.pipeline import SlotTarget, Worker
 from distill.runtime import configure_logging, curve_config, endpoints, exit_on_sigterm
 from distill.sources import load_chunks, load_teacher, load_tokenizer
-from distill.stages import Stage, plan_stages, sample_batch_config
+from distill.stages import Stage, closed_loop, e2e_top_k, plan_stages, sample_batch_config
 from distill.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,14 @@ class TeacherTargets:
         self.samples = 0
 
     def __call__(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
-        stage = Stage(int((model_cfg or {}).get("stage", 0)), tuple((model_cfg or {})["layers"]))
+        stage = Stage.from_model_cfg(model_cfg)
         rows = sample_indices(len(self.train_NT), [t.request_id for t in targets], self.seed)
         input_ids_BT = self.train_NT[rows]
-        captured = self.teacher.capture(input_ids_BT, list(stage.layers))
+        if stage.kind == "e2e":
+            write_e2e_targets(self.teacher, input_ids_BT, targets)
+            self.samples += len(targets)
+            return
+        captured = self.teacher.capture(input_ids_BT, [*stage.layers, *([0] if stage.closed_loop else [])])
         states = [_state_at(captured, p).to("cpu", non_blocking=False) for p in stage.positions]
         for i, target in enumerate(targets):
             out = target.tensors
@@ -58,9 +63,11 @@ def build_worker(cfg: DictConfig) -> Worker:
     device = f"cuda:{cfg.device.worker_gpu}" if cfg.device.worker_gpu is not None else "cpu"
     teacher = load_teacher(cfg, device)
     chunks = load_chunks(cfg, load_tokenizer(cfg))
-    stages = plan_stages(teacher.num_layers, cfg.student.layers, cfg.student.layers_per_stage)
+    stages = plan_stages(teacher.num_layers, cfg.student.layers, cfg.student.layers_per_stage,
+                         closed_loop(cfg.student))
     positions = max(len(s.positions) for s in stages)
-    batch_config = sample_batch_config(positions, cfg.data.seq_len, teacher.hidden_size, cfg.teacher.dtype)
+    batch_config = sample_batch_config(positions, cfg.data.seq_len, teacher.hidden_size, cfg.teacher.dtype,
+                                       top_k=e2e_top_k(cfg.student))
     eps = endpoints(cfg)
     return Worker(batch_fn=TeacherTargets(teacher, chunks.train_NT, cfg.data.seed), batch_config=batch_config,
                   backend_endpoint=eps["backend"], control_pub_endpoint=eps["control_pub"],
