@@ -3,12 +3,15 @@
 For a stage (model_cfg ``{"layers": [...]}``) each request id picks a training
 chunk; the worker runs ONE batched forward over all chunks of the WORK it holds,
 stopping after the last target layer, and copies each sample's boundary hidden
-states straight into its slot (one copy, no intermediate bytes).
+states straight into its slot (one copy, no intermediate bytes). On CUDA the
+device-to-host copies go through pinned staging buffers on a side stream and are
+finished by the worker after it has started the next forward (``distill.transfer``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from omegaconf import DictConfig
@@ -19,6 +22,7 @@ from distill.runtime import configure_logging, endpoints, exit_on_sigterm
 from distill.sources import load_chunks, load_teacher, load_tokenizer
 from distill.stages import Stage, plan_stages, sample_batch_config
 from distill.teacher import Teacher
+from distill.transfer import DeviceToSlots
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +35,22 @@ class TeacherTargets:
         self.train_NT = train_NT
         self.seed = seed
         self.samples = 0
+        self.to_slots = DeviceToSlots(teacher.device)
+        """On CUDA: pinned, side-stream copies that the worker finishes after the next forward."""
 
-    def __call__(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+    def __call__(self, model_id: str, model_cfg: dict | None,
+                 targets: list[SlotTarget]) -> Callable[[], None] | None:
+        """Fill ``targets``; on CUDA return the callable that completes the device copies."""
         stage = Stage(int((model_cfg or {}).get("stage", 0)), tuple((model_cfg or {})["layers"]))
         rows = sample_indices(len(self.train_NT), [t.request_id for t in targets], self.seed)
         input_ids_BT = self.train_NT[rows]
         captured = self.teacher.capture(input_ids_BT, list(stage.layers))
-        states = [_state_at(captured, p).to("cpu", non_blocking=False) for p in stage.positions]
+        states = [_state_at(captured, p) for p in stage.positions]
         for i, target in enumerate(targets):
-            out = target.tensors
-            out["input_ids"].copy_(input_ids_BT[i])
-            hidden = out["hidden"]
-            for j, state_BTD in enumerate(states):
-                hidden[j].copy_(state_BTD[i])
+            target.tensors["input_ids"].copy_(input_ids_BT[i])
         self.samples += len(targets)
+        finish = self.to_slots.start(states, [target.tensors["hidden"] for target in targets])
+        return finish if self.to_slots.cuda else None
 
 
 def _state_at(captured: dict[int, tuple[torch.Tensor, torch.Tensor]], position: int) -> torch.Tensor:
