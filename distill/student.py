@@ -37,6 +37,7 @@ from distill.runtime import configure_logging, endpoints, exit_on_sigterm, run_d
 from distill.sources import load_chunks, load_teacher, load_tokenizer, teacher_source
 from distill.stages import Stage, max_positions, plan_stages, sample_batch_config
 from distill.teacher import Teacher
+from distill.transfer import DevicePrefetcher
 
 log = logging.getLogger(__name__)
 
@@ -166,17 +167,17 @@ class StageTrainer:
         if not ctx.leader:
             ctx.client.wait_generation(generation, timeout_s=120)
         eps = endpoints(ctx.cfg)
+        workers, cuda = self.scfg.loader_workers, ctx.device.type == "cuda"
         dataset = DistillIterableDataset(
             ctx.rank, ctx.client.generation_value, ctx.cfg.pipeline.slot_count, ctx.batch_config,
             eps["frontend"], run_id=run_id(ctx.cfg), batch_size=self.scfg.micro_batch_size,
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
-            heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness)
-        workers = self.scfg.loader_workers
+            heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, pin_memory=cuda and workers == 0)
         self.loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                                 pin_memory=ctx.device.type == "cuda",
+                                 pin_memory=cuda and workers > 0,
                                  prefetch_factor=2 if workers else None,
                                  persistent_workers=False)
-        self._loader_iter = iter(self.loader)
+        self._loader_iter = DevicePrefetcher(iter(self.loader), ctx.device)
 
     def _setup_validation(self) -> None:
         """Teacher targets on the held-out chunks (the same in every run), computed here once."""
