@@ -41,8 +41,9 @@ from distill.transfer import DevicePrefetcher
 
 log = logging.getLogger(__name__)
 
-STARVED_FRACTION = 0.2
-"""Warn when students spend more than this share of each step waiting for samples."""
+STARVED_FRACTION = 0.05
+"""Warn when students spend more than this share of their steps waiting for samples
+(the first batch of a stage, which waits for the teachers to switch, not counted)."""
 
 
 @dataclass
@@ -103,6 +104,23 @@ def build_replacement(cfg: DictConfig, teacher: Teacher, layer: int) -> nn.Modul
     except TypeError as exc:  # an option the replacement does not take
         raise ValueError(f"replacement={cfg.replacement.get('_target_')}: {exc}; check the keys under "
                          "replacement (see conf/replacement/*.yaml for each option)") from exc
+
+
+def data_supply(wait_s: float, step_s: float, samples: int, startup_wait_s: float = 0.0) -> dict[str, float]:
+    """How well the teachers fed a stage, from the student's clock.
+
+    ``step_s`` is the time of the training steps, waiting for data included;
+    ``samples`` those the steps consumed (all ranks). Delivered is what arrived per
+    second of steps; needed is what the students would have taken had they never
+    waited. Their ratio is how many times more teacher throughput the stage lacked.
+    The first batch of a stage (``startup_wait_s``: the teachers switching layers) is
+    reported apart, not as starvation.
+    """
+    compute_s = max(step_s - wait_s, 1e-9)
+    return {"wait_fraction": wait_s / step_s if step_s > 0 else 0.0,
+            "delivered_samples_per_s": samples / step_s if step_s > 0 else 0.0,
+            "needed_samples_per_s": samples / compute_s,
+            "startup_wait_s": startup_wait_s}
 
 
 def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -198,7 +216,7 @@ class StageTrainer:
         bar = tqdm(total=total, initial=self.start_step, disable=not self.ctx.leader, leave=True,
                    desc=f"stage {self.stage.index} layers {','.join(map(str, self.stage.layers))}")
         started = time.monotonic()
-        wait_s = compute_s = 0.0
+        wait_s = compute_s = startup_wait_s = 0.0
         samples = 0
         losses: dict[int, float] = {}
         self.model.train()
@@ -207,7 +225,11 @@ class StageTrainer:
             for micro in range(accum):
                 t0 = time.monotonic()
                 batch = next(self._loader_iter)
-                wait_s += time.monotonic() - t0
+                if step == self.start_step and micro == 0:  # the teachers switch to this stage
+                    startup_wait_s = time.monotonic() - t0
+                    step_started = time.monotonic()
+                else:
+                    wait_s += time.monotonic() - t0
                 sync = micro == accum - 1 or not isinstance(self.model, DDP)
                 with contextlib.nullcontext() if sync else self.model.no_sync():
                     loss, losses = self._loss(batch)
@@ -228,13 +250,16 @@ class StageTrainer:
                     and done < total:
                 self.save_checkpoint(done)
         bar.close()
-        self._report_starvation(wait_s, compute_s, samples, time.monotonic() - started)
+        supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
+        self._report_starvation(supply)
         val = self.validate(total)
-        self.ctx.timings["student_wait_s"] = self.ctx.timings.get("student_wait_s", 0.0) + wait_s
-        self.ctx.timings["student_step_s"] = self.ctx.timings.get("student_step_s", 0.0) + compute_s
+        timings = self.ctx.timings
+        timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
+        timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s + startup_wait_s
         self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "layers": list(self.stage.layers),
                               "steps": total, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
-                              "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()}})
+                              "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},
+                              **supply})
         return val
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
@@ -261,16 +286,20 @@ class StageTrainer:
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "samples_per_s": rate, "wait_fraction": wait_fraction, "time_s": elapsed})
 
-    def _report_starvation(self, wait_s: float, step_s: float, samples: int, wall_s: float) -> None:
-        """Tell the user when the teachers, not the students, set the pace."""
-        if not self.ctx.leader or step_s <= 0 or wait_s / step_s < STARVED_FRACTION:
+    def _report_starvation(self, supply: dict[str, float]) -> None:
+        """Tell the user when the teachers, not the students, set the pace, and by how much."""
+        if not self.ctx.leader:
             return
-        delivered = samples * self.ctx.world_size / max(wall_s, 1e-9)
-        needed = samples * self.ctx.world_size / max(step_s - wait_s, 1e-9)
-        log.warning("stage %d was teacher-bound: students waited %.0f%% of the time for data "
-                    "(delivered %.0f samples/s, students could take %.0f); add teacher workers "
-                    "(local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
-                    self.stage.index, 100 * wait_s / step_s, delivered, needed)
+        if supply["wait_fraction"] < STARVED_FRACTION:
+            log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
+                     self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
+            return
+        log.warning("stage %d was teacher-bound: students waited %.0f%% of their steps for data; "
+                    "they needed %.0f samples/s, the teachers delivered %.0f (%.2fx short); add teacher "
+                    "workers (local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
+                    self.stage.index, 100 * supply["wait_fraction"], supply["needed_samples_per_s"],
+                    supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
+                    / max(supply["delivered_samples_per_s"], 1e-9))
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[int, float]:

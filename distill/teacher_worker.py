@@ -11,6 +11,7 @@ finished by the worker after it has started the next forward (``distill.transfer
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,10 +19,11 @@ from omegaconf import DictConfig
 
 from distill.data import sample_indices
 from distill.pipeline import SlotTarget, Worker
-from distill.runtime import configure_logging, endpoints, exit_on_sigterm
+from distill.runtime import configure_logging, endpoints, exit_on_sigterm, run_dir
 from distill.sources import load_chunks, load_teacher, load_tokenizer
 from distill.stages import Stage, plan_stages, sample_batch_config
 from distill.teacher import Teacher
+from distill.timing import TimedBatchFn, TimingWriter
 from distill.transfer import DeviceToSlots
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,9 @@ def build_worker(cfg: DictConfig) -> Worker:
     positions = max(len(s.positions) for s in stages)
     batch_config = sample_batch_config(positions, cfg.data.seq_len, teacher.hidden_size, cfg.teacher.dtype)
     eps = endpoints(cfg)
-    return Worker(batch_fn=TeacherTargets(teacher, chunks.train_NT, cfg.data.seed), batch_config=batch_config,
+    targets = TeacherTargets(teacher, chunks.train_NT, cfg.data.seed)
+    timed = TimedBatchFn(targets, copy_s=lambda: targets.to_slots.copy_s)
+    return Worker(batch_fn=timed, batch_config=batch_config,
                   backend_endpoint=eps["backend"], control_pub_endpoint=eps["control_pub"],
                   max_batch=cfg.pipeline.worker_max_batch,
                   heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
@@ -82,4 +86,8 @@ def run_worker(cfg: DictConfig) -> None:
     worker = build_worker(cfg)
     log.info("teacher worker ready (%d-byte samples, batches of up to %d)", worker.slot_size,
              worker.max_batch)
-    worker.run()
+    writer = TimingWriter(worker.batch_fn.snapshot, run_dir() / f"teacher_time.{os.getpid()}.json").start()
+    try:
+        worker.run()
+    finally:
+        writer.stop()

@@ -24,6 +24,7 @@ Shape legend: B batch, P boundary positions, T tokens, D hidden size.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -49,6 +50,8 @@ class DeviceToSlots:
         self._staging: list[torch.Tensor | None] = [None] * STAGING_BUFFERS
         self._events: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self._turn = 0
+        self.copy_s = 0.0
+        """Seconds the CPU spent writing slots (not waiting for the device): the transport's share."""
 
     def start(self, states: Sequence[torch.Tensor], dests: Sequence[torch.Tensor]) -> Callable[[], None]:
         """Copy ``states[j][i]`` into ``dests[i][j]`` for every sample i and position j.
@@ -61,9 +64,11 @@ class DeviceToSlots:
         if len(dests) == 0 or len(states) == 0:
             return _no_finish
         if not self.cuda:
+            t0 = time.perf_counter()
             for i, dest in enumerate(dests):
                 for j, state_BTD in enumerate(states):
                     dest[j].copy_(state_BTD[i])
+            self.copy_s += time.perf_counter() - t0
             return _no_finish
         turn = self._turn
         self._turn = (turn + 1) % STAGING_BUFFERS
@@ -82,9 +87,11 @@ class DeviceToSlots:
         def finish() -> None:
             event.synchronize()
             kept.clear()
+            t0 = time.perf_counter()
             positions = staging_BPTD.shape[1]
             for i, dest in enumerate(dests):
                 dest[:positions].copy_(staging_BPTD[i])
+            self.copy_s += time.perf_counter() - t0
             self._events[turn] = None
 
         return finish
