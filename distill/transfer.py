@@ -73,12 +73,14 @@ class DeviceToSlots:
         turn = self._turn
         self._turn = (turn + 1) % STAGING_BUFFERS
         self._wait_free(turn)
-        staging_BPTD = self._staging_for(turn, len(dests), states)
+        staging_PBTD = self._staging_for(turn, len(dests), states)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote the states
         with torch.cuda.stream(stream):
             for j, state_BTD in enumerate(states):
-                staging_BPTD[:, j].copy_(state_BTD[:len(dests)], non_blocking=True)
+                # contiguous pinned destination: a non-contiguous one would go through a
+                # pageable temporary and make the copy synchronous
+                staging_PBTD[j].copy_(state_BTD[:len(dests)], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         self._events[turn] = event
@@ -88,9 +90,9 @@ class DeviceToSlots:
             event.synchronize()
             kept.clear()
             t0 = time.perf_counter()
-            positions = staging_BPTD.shape[1]
+            positions = staging_PBTD.shape[0]
             for i, dest in enumerate(dests):
-                dest[:positions].copy_(staging_BPTD[i])
+                dest[:positions].copy_(staging_PBTD[:, i])
             self.copy_s += time.perf_counter() - t0
             self._events[turn] = None
 
@@ -104,14 +106,15 @@ class DeviceToSlots:
             event.synchronize()
 
     def _staging_for(self, turn: int, batch: int, states: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The pinned ``[B, P, T, D]`` staging buffer of ``turn``, grown when needed."""
-        shape = (batch, len(states), *states[0].shape[1:])
+        """The pinned ``[P, B, T, D]`` staging buffer of ``turn`` (each ``[j, :B]`` contiguous),
+        grown when needed."""
+        shape = (len(states), batch, *states[0].shape[1:])
         staging = self._staging[turn]
-        if (staging is None or staging.dtype != states[0].dtype or staging.shape[0] < batch
-                or tuple(staging.shape[1:]) != shape[1:]):
+        if (staging is None or staging.dtype != states[0].dtype or staging.shape[1] < batch
+                or staging.shape[0] != shape[0] or tuple(staging.shape[2:]) != shape[2:]):
             staging = torch.empty(shape, dtype=states[0].dtype, pin_memory=True)
             self._staging[turn] = staging
-        return staging[:batch]
+        return staging[:, :batch]
 
 
 class DevicePrefetcher:
