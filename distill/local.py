@@ -11,6 +11,7 @@ child, and the kernel stops them too if the supervisor itself is killed
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
 from distill.runtime import configure_logging, curve_config, endpoints, exit_on_sigterm, run_dir
 from distill.sources import teacher_source
+from distill.timing import cpu_seconds, format_time_split, read_teacher_times, time_split
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ def run_local(cfg: DictConfig) -> None:
         children.append(_spawn("students", ["mode=student", *common, "hydra.job.name=student"], out,
                                torchrun_ranks=cfg.local.num_students))
         _wait_for_students(children)
+        _report_time_split(out, children[0], time.monotonic() - started, cfg.local.num_workers)
         log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)
     finally:
         control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
@@ -74,6 +77,23 @@ def run_local(cfg: DictConfig) -> None:
         _stop_all(children, control, curve_config(cfg))
         shutil.rmtree(socket_dir, ignore_errors=True)
         sweep_orphans(min_age_s=0)
+
+
+def _report_time_split(out: Path, broker: Child, wall_s: float, num_workers: int) -> None:
+    """Log where the run's time went and append the table to report.md (see distill.timing)."""
+    result_path = out / "result.json"
+    student = json.loads(result_path.read_text()).get("timings", {}) if result_path.exists() else {}
+    rows = time_split(wall_s, student, read_teacher_times(out), cpu_seconds(broker.proc.pid))
+    table = format_time_split(rows, wall_s, num_workers)
+    log.info("where the time went:\n%s", table)
+    report = out / "report.md"
+    if report.exists():
+        with open(report, "a") as f:
+            f.write("\n" + table + "\n")
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        result["time_split"] = {"wall_s": wall_s, **dict(rows)}
+        result_path.write_text(json.dumps(result, indent=2, default=str))
 
 
 def _private_socket_dir(run_id: str) -> str:

@@ -53,11 +53,13 @@ from distill.stages import (
 )
 from distill.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.teacher import Teacher
+from distill.transfer import DevicePrefetcher
 
 log = logging.getLogger(__name__)
 
-STARVED_FRACTION = 0.2
-"""Warn when students spend more than this share of each step waiting for samples."""
+STARVED_FRACTION = 0.05
+"""Warn when students spend more than this share of their steps waiting for samples
+(the first batch of a stage, which waits for the teachers to switch, not counted)."""
 
 
 @dataclass
@@ -118,6 +120,23 @@ def build_replacement(cfg: DictConfig, teacher: Teacher, layer: int) -> nn.Modul
     except TypeError as exc:  # an option the replacement does not take
         raise ValueError(f"replacement={cfg.replacement.get('_target_')}: {exc}; check the keys under "
                          "replacement (see conf/replacement/*.yaml for each option)") from exc
+
+
+def data_supply(wait_s: float, step_s: float, samples: int, startup_wait_s: float = 0.0) -> dict[str, float]:
+    """How well the teachers fed a stage, from the student's clock.
+
+    ``step_s`` is the time of the training steps, waiting for data included;
+    ``samples`` those the steps consumed (all ranks). Delivered is what arrived per
+    second of steps; needed is what the students would have taken had they never
+    waited. Their ratio is how many times more teacher throughput the stage lacked.
+    The first batch of a stage (``startup_wait_s``: the teachers switching layers) is
+    reported apart, not as starvation.
+    """
+    compute_s = max(step_s - wait_s, 1e-9)
+    return {"wait_fraction": wait_s / step_s if step_s > 0 else 0.0,
+            "delivered_samples_per_s": samples / step_s if step_s > 0 else 0.0,
+            "needed_samples_per_s": samples / compute_s,
+            "startup_wait_s": startup_wait_s}
 
 
 def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -189,18 +208,18 @@ class StageTrainer:
         if not ctx.leader:
             ctx.client.wait_generation(generation, timeout_s=120)
         eps = endpoints(ctx.cfg)
+        workers, cuda = self.scfg.loader_workers, ctx.device.type == "cuda"
         dataset = DistillIterableDataset(
             ctx.rank, ctx.client.generation_value, ctx.cfg.pipeline.slot_count, ctx.batch_config,
             eps["frontend"], run_id=run_id(ctx.cfg), batch_size=self.scfg.micro_batch_size,
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
             heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, medium=ctx.cfg.pipeline.medium,
-            tcp_host=ctx.cfg.pipeline.tcp_host, curve=curve_config(ctx.cfg))
-        workers = self.scfg.loader_workers
+            tcp_host=ctx.cfg.pipeline.tcp_host, curve=curve_config(ctx.cfg), pin_memory=cuda and workers == 0)
         self.loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                                 pin_memory=ctx.device.type == "cuda",
+                                 pin_memory=cuda and workers > 0,
                                  prefetch_factor=2 if workers else None,
                                  persistent_workers=False)
-        self._loader_iter = iter(self.loader)
+        self._loader_iter = DevicePrefetcher(iter(self.loader), ctx.device)
 
     def _setup_validation(self) -> None:
         """Teacher targets on the held-out chunks (the same in every run), computed here once."""
@@ -221,7 +240,7 @@ class StageTrainer:
         bar = tqdm(total=total, initial=self.start_step, disable=not self.ctx.leader, leave=True,
                    desc=f"stage {self.stage.index} layers {','.join(map(str, self.stage.layers))}")
         started = time.monotonic()
-        wait_s = compute_s = 0.0
+        wait_s = compute_s = startup_wait_s = 0.0
         samples = 0
         losses: dict[int, float] = {}
         self.model.train()
@@ -231,7 +250,11 @@ class StageTrainer:
             for micro in range(accum):
                 t0 = time.monotonic()
                 batch = next(self._loader_iter)
-                wait_s += time.monotonic() - t0
+                if step == self.start_step and micro == 0:  # the teachers switch to this stage
+                    startup_wait_s = time.monotonic() - t0
+                    step_started = time.monotonic()
+                else:
+                    wait_s += time.monotonic() - t0
                 sync = micro == accum - 1 or not isinstance(self.model, DDP)
                 with contextlib.nullcontext() if sync else self.model.no_sync():
                     loss, losses = self._loss(batch)
@@ -254,14 +277,16 @@ class StageTrainer:
                     and done < total:
                 self.save_checkpoint(done)
         bar.close()
-        self._report_starvation(wait_s, compute_s, samples, time.monotonic() - started)
+        supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
+        self._report_starvation(supply)
         val = self.validate(steps_done)
-        self.ctx.timings["student_wait_s"] = self.ctx.timings.get("student_wait_s", 0.0) + wait_s
-        self.ctx.timings["student_step_s"] = self.ctx.timings.get("student_step_s", 0.0) + compute_s
+        timings = self.ctx.timings
+        timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
+        timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s + startup_wait_s
         self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "layers": list(self.stage.layers),
                               "steps": steps_done, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
                               "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},
-                              "stopped": stopped})
+                              "stopped": stopped, **supply})
         return val
 
     def _out_of_patience(self, val: dict[int, float]) -> bool:
@@ -299,16 +324,20 @@ class StageTrainer:
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "samples_per_s": rate, "wait_fraction": wait_fraction, "time_s": elapsed})
 
-    def _report_starvation(self, wait_s: float, step_s: float, samples: int, wall_s: float) -> None:
-        """Tell the user when the teachers, not the students, set the pace."""
-        if not self.ctx.leader or step_s <= 0 or wait_s / step_s < STARVED_FRACTION:
+    def _report_starvation(self, supply: dict[str, float]) -> None:
+        """Tell the user when the teachers, not the students, set the pace, and by how much."""
+        if not self.ctx.leader:
             return
-        delivered = samples * self.ctx.world_size / max(wall_s, 1e-9)
-        needed = samples * self.ctx.world_size / max(step_s - wait_s, 1e-9)
-        log.warning("stage %d was teacher-bound: students waited %.0f%% of the time for data "
-                    "(delivered %.0f samples/s, students could take %.0f); add teacher workers "
-                    "(local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
-                    self.stage.index, 100 * wait_s / step_s, delivered, needed)
+        if supply["wait_fraction"] < STARVED_FRACTION:
+            log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
+                     self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
+            return
+        log.warning("stage %d was teacher-bound: students waited %.0f%% of their steps for data; "
+                    "they needed %.0f samples/s, the teachers delivered %.0f (%.2fx short); add teacher "
+                    "workers (local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
+                    self.stage.index, 100 * supply["wait_fraction"], supply["needed_samples_per_s"],
+                    supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
+                    / max(supply["delivered_samples_per_s"], 1e-9))
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[int, float]:

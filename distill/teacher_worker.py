@@ -3,12 +3,16 @@
 For a stage (model_cfg ``{"layers": [...]}``) each request id picks a training
 chunk; the worker runs ONE batched forward over all chunks of the WORK it holds,
 stopping after the last target layer, and copies each sample's boundary hidden
-states straight into its slot (one copy, no intermediate bytes).
+states straight into its slot (one copy, no intermediate bytes). On CUDA the
+device-to-host copies go through pinned staging buffers on a side stream and are
+finished by the worker after it has started the next forward (``distill.transfer``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 
 import torch
 from omegaconf import DictConfig
@@ -16,10 +20,12 @@ from omegaconf import DictConfig
 from distill.data import sample_indices
 from distill.e2e import write_e2e_targets
 from distill.pipeline import SlotTarget, Worker
-from distill.runtime import configure_logging, curve_config, endpoints, exit_on_sigterm
+from distill.runtime import configure_logging, curve_config, endpoints, exit_on_sigterm, run_dir
 from distill.sources import load_chunks, load_teacher, load_tokenizer
 from distill.stages import Stage, closed_loop, e2e_top_k, plan_stages, sample_batch_config
 from distill.teacher import Teacher
+from distill.timing import TimedBatchFn, TimingWriter
+from distill.transfer import DeviceToSlots
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +38,26 @@ class TeacherTargets:
         self.train_NT = train_NT
         self.seed = seed
         self.samples = 0
+        self.to_slots = DeviceToSlots(teacher.device)
+        """On CUDA: pinned, side-stream copies that the worker finishes after the next forward."""
 
-    def __call__(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+    def __call__(self, model_id: str, model_cfg: dict | None,
+                 targets: list[SlotTarget]) -> Callable[[], None] | None:
+        """Fill ``targets``; on CUDA return the callable that completes the device copies."""
         stage = Stage.from_model_cfg(model_cfg)
         rows = sample_indices(len(self.train_NT), [t.request_id for t in targets], self.seed)
         input_ids_BT = self.train_NT[rows]
         if stage.kind == "e2e":
             write_e2e_targets(self.teacher, input_ids_BT, targets)
             self.samples += len(targets)
-            return
+            return None
         captured = self.teacher.capture(input_ids_BT, [*stage.layers, *([0] if stage.closed_loop else [])])
-        states = [_state_at(captured, p).to("cpu", non_blocking=False) for p in stage.positions]
+        states = [_state_at(captured, p) for p in stage.positions]
         for i, target in enumerate(targets):
-            out = target.tensors
-            out["input_ids"].copy_(input_ids_BT[i])
-            hidden = out["hidden"]
-            for j, state_BTD in enumerate(states):
-                hidden[j].copy_(state_BTD[i])
+            target.tensors["input_ids"].copy_(input_ids_BT[i])
         self.samples += len(targets)
+        finish = self.to_slots.start(states, [target.tensors["hidden"] for target in targets])
+        return finish if self.to_slots.cuda else None
 
 
 def _state_at(captured: dict[int, tuple[torch.Tensor, torch.Tensor]], position: int) -> torch.Tensor:
@@ -69,7 +77,9 @@ def build_worker(cfg: DictConfig) -> Worker:
     batch_config = sample_batch_config(positions, cfg.data.seq_len, teacher.hidden_size, cfg.teacher.dtype,
                                        top_k=e2e_top_k(cfg.student))
     eps = endpoints(cfg)
-    return Worker(batch_fn=TeacherTargets(teacher, chunks.train_NT, cfg.data.seed), batch_config=batch_config,
+    targets = TeacherTargets(teacher, chunks.train_NT, cfg.data.seed)
+    timed = TimedBatchFn(targets, copy_s=lambda: targets.to_slots.copy_s)
+    return Worker(batch_fn=timed, batch_config=batch_config,
                   backend_endpoint=eps["backend"], control_pub_endpoint=eps["control_pub"],
                   max_batch=cfg.pipeline.worker_max_batch,
                   heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
@@ -84,4 +94,8 @@ def run_worker(cfg: DictConfig) -> None:
     worker = build_worker(cfg)
     log.info("teacher worker ready (%d-byte samples, batches of up to %d)", worker.slot_size,
              worker.max_batch)
-    worker.run()
+    writer = TimingWriter(worker.batch_fn.snapshot, run_dir() / f"teacher_time.{os.getpid()}.json").start()
+    try:
+        worker.run()
+    finally:
+        writer.stop()

@@ -21,6 +21,13 @@ Two modes:
   256 KiB+ samples); reusing them is the fastest way to fill a training batch, for
   loops that consume each batch before asking for the next (``num_workers=0``).
 
+``pin_memory=True`` (CUDA only; with ``batch_size=B``, in the training process)
+gathers every batch straight into page-locked memory, so the host-to-device copy
+can be ``non_blocking`` and overlap compute (``distill.transfer.DevicePrefetcher``)
+without the extra copy a DataLoader's pin-memory thread makes. Fresh pinned batches
+come from torch's caching host allocator, which reuses a block only once the copies
+reading it have finished; that is why it cannot be combined with ``reuse_batches``.
+
 ``with_meta=True`` adds int64 tensors ``generation``, ``request_id`` and ``source``
 (which pool filled it) to every sample, so a consumer can check or filter them.
 """
@@ -58,8 +65,10 @@ class DistillIterableDataset(IterableDataset):
                  timeout_s: float | None = None, reuse_batches: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
-                 tcp_host: str | None = None, curve: CurveConfig | None = None) -> None:
+                 tcp_host: str | None = None, curve: CurveConfig | None = None,
+                 pin_memory: bool = False) -> None:
         super().__init__()
+        _check_pin_memory(pin_memory, batch_size, reuse_batches)
         if batch_size is not None and batch_size > slot_count:
             raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
                              "slots all at once; raise slot_count")
@@ -86,12 +95,16 @@ class DistillIterableDataset(IterableDataset):
             curve.client_keys()  # a bad key fails here, not later in every DataLoader worker
         self.curve = curve
         """Paths, not keys: each process that iterates reads (and checks) the keys itself."""
+        self.pin_memory = pin_memory
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
             raise ValueError("reuse_batches=True in a DataLoader worker: the worker hands each batch "
                              "to the training process through shared memory, and reusing it would "
                              "overwrite batches not yet consumed; use num_workers=0 or reuse_batches=False")
+        if self.pin_memory and get_worker_info() is not None:
+            raise ValueError("pin_memory=True in a DataLoader worker: pin in the training process instead "
+                             "(DataLoader(pin_memory=True)), or use num_workers=0")
         pool = self._open_pool()
         try:
             pool.request_free()
@@ -164,7 +177,7 @@ class DistillIterableDataset(IterableDataset):
             yield sample
 
     def _new_batch(self) -> dict[str, torch.Tensor]:
-        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype)
+        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=self.pin_memory)
                 for s in self.batch_config.specs}
 
     def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
@@ -187,3 +200,17 @@ class DistillIterableDataset(IterableDataset):
                 batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs),
                              source=torch.full((len(slots),), pool.source_id))
             yield batch
+
+
+def _check_pin_memory(pin_memory: bool, batch_size: int | None, reuse_batches: bool) -> None:
+    """Reject pinned batches where they cannot work, naming the setting to change."""
+    if not pin_memory:
+        return
+    if batch_size is None:
+        raise ValueError("pin_memory=True needs batch_size=B (it pins the batch tensors)")
+    if reuse_batches:
+        raise ValueError("pin_memory=True with reuse_batches=True would overwrite a batch while its "
+                         "non-blocking copy to the GPU may still read it; choose one")
+    if not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA (page-locked memory is for GPU copies); "
+                         "leave it False on CPU")

@@ -8,6 +8,11 @@ Two ways to make samples:
   batch, with one :class:`SlotTarget` per slot whose ``tensors`` (needs
   ``batch_config``) or ``payload`` are writable views straight into the student's
   memory. A teacher runs one forward and copies each sample's output in place.
+  It may return a ``finish`` callable instead of None: the copies are then still
+  in flight (e.g. device-to-host on a CUDA side stream), and the worker commits the
+  batch (calls ``finish``, writes the headers, says DONE) only after it has started
+  the NEXT batch waiting on its socket, so the next forward overlaps this copy. With
+  no batch waiting it finishes at once; a sample is never late by more than a batch.
 
 The worker drains every WORK already waiting on its socket (up to ``max_batch``
 slots of one model) before calling the generator, so small requests are batched.
@@ -75,7 +80,9 @@ class SlotTarget:
     tensors: dict[str, torch.Tensor] | None
 
 
-BatchFn = Callable[[str, dict | None, list[SlotTarget]], None]
+BatchFn = Callable[[str, dict | None, list[SlotTarget]], Callable[[], None] | None]
+Deferred = Callable[[], None]
+"""Completes a filled group whose payload copies are in flight: finish them, commit the headers."""
 
 
 SlotViews = tuple[memoryview, dict[str, torch.Tensor] | None]
@@ -152,6 +159,7 @@ class Worker:
         """Write into a network medium's segment directly when it is on this machine."""
         self._sender = TcpSender()
         self._refusals = LogThrottle(log)
+        self._deferred: tuple[list[Message], dict[int, dict[int, str]], Deferred] | None = None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -204,17 +212,20 @@ class Worker:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
-        while not self._stop.is_set():
-            events = dict(poller.poll(self.heartbeat_interval_s * 1000))
-            if sub in events and self._on_published(sub):
-                return
-            if sock in events:
-                self._process(self._collect_work(sock), sock)
-            if heart.refusal is not None:  # the broker will never answer: stop with the reason
-                raise PermissionError(f"worker {self.peer_id}: {heart.refusal}")
-            if heart.forgotten.is_set() or not heart.broker_alive:
-                self._rejoin(sock, heart)
-            self._maybe_drop_segments()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self.heartbeat_interval_s * 1000))
+                if sub in events and self._on_published(sub):
+                    return
+                if sock in events:
+                    self._process(self._collect_work(sock), sock)
+                if heart.refusal is not None:  # the broker will never answer: stop with the reason
+                    raise PermissionError(f"worker {self.peer_id}: {heart.refusal}")
+                if heart.forgotten.is_set() or not heart.broker_alive:
+                    self._rejoin(sock, heart)
+                self._maybe_drop_segments()
+        finally:
+            self._finish_deferred(sock)
 
     def _ready(self, sock: zmq.Socket) -> None:
         # The process token lets a student whose slots we hold see when we are gone.
@@ -291,31 +302,50 @@ class Worker:
     # ------------------------------------------------------------------ filling
     def _process(self, works: list[Message], sock: zmq.Socket) -> None:
         for group in _group_by_model(works):
-            failed = self._fill_group(group)
-            for work in group:
-                body = work.body
-                protocol.send(sock, Command.DONE, {
-                    "peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
-                    "failed": [[idx, why] for idx, why in sorted(failed.get(body["work_id"], {}).items())],
-                })
+            failed, deferred = self._fill_group(group)
+            self._finish_deferred(sock)  # the previous group's copies ran during this group's fill
+            if deferred is None:
+                self._send_done(sock, group, failed)
+            else:
+                self._deferred = group, failed, deferred
+        if self._deferred is not None and not protocol.readable(sock):
+            self._finish_deferred(sock)  # no next batch to overlap with: finish now
 
-    def _fill_group(self, group: list[Message]) -> dict[int, dict[int, str]]:
-        """Fill every slot of WORKs of one (run, generation, model). Returns failures."""
+    def _finish_deferred(self, sock: zmq.Socket) -> None:
+        """Commit the group whose copies were left in flight, and say DONE."""
+        if self._deferred is None:
+            return
+        group, failed, deferred = self._deferred
+        self._deferred = None
+        deferred()
+        self._send_done(sock, group, failed)
+
+    def _send_done(self, sock: zmq.Socket, group: list[Message], failed: dict[int, dict[int, str]]) -> None:
+        for work in group:
+            body = work.body
+            protocol.send(sock, Command.DONE, {
+                "peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
+                "failed": [[idx, why] for idx, why in sorted(failed.get(body["work_id"], {}).items())],
+            })
+
+    def _fill_group(self, group: list[Message]) -> tuple[dict[int, dict[int, str]], Deferred | None]:
+        """Fill every slot of WORKs of one (run, generation, model). Returns failures, and
+        the commit still to do when the batch function left its copies in flight."""
         first = group[0].body
         run_id, generation, model_id = first["run_id"], first["generation"], first["model_id"]
         failed: dict[int, dict[int, str]] = {}
         if generation < self._generation.get(run_id, 0):
             for work in group:
                 failed[work.body["work_id"]] = dict.fromkeys(range(len(work.body["items"])), "stale")
-            return failed
+            return failed, None
         self._note_generation(run_id, generation, model_id)
         runs: list[_Run] = []
         for work in group:
             self._add_targets(work.body, generation, runs, failed)
         targets = [target for run in runs for target in run.targets]
         if targets:
-            self._generate(model_id, first.get("model_cfg"), targets, runs, failed)
-        return failed
+            return failed, self._generate(model_id, first.get("model_cfg"), targets, runs, failed)
+        return failed, None
 
     def _add_targets(self, body: dict, generation: int, runs: list[_Run],
                      failed: dict[int, dict[int, str]]) -> None:
@@ -373,19 +403,35 @@ class Worker:
         return payload, self.batch_config.decode(payload) if self.batch_config and self.batch_fn else None
 
     def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
-                  runs: list[_Run], failed: dict[int, dict[int, str]]) -> None:
+                  runs: list[_Run], failed: dict[int, dict[int, str]]) -> Deferred | None:
+        """Fill the targets and commit them, or return the commit when copies are in flight."""
+        finish = None
         try:
             if self.batch_fn is not None:
-                self.batch_fn(model_id, model_cfg, targets)
+                finish = self.batch_fn(model_id, model_cfg, targets)
                 lengths = [self.slot_size] * len(targets)
             else:
                 lengths = [self._generate_one(model_id, model_cfg, t) for t in targets]
         except Exception as exc:  # a generator bug must not kill the worker
             log.exception("worker %s: generator failed for model %s", self.peer_id, model_id)
-            for run in runs:
-                failed.setdefault(run.work_id, {}).update(
-                    dict.fromkeys(run.idxs, f"generator failed: {exc!r}"[:200]))
+            _fail_runs(runs, failed, f"generator failed: {exc!r}")
+            return None
+        if callable(finish):
+            return lambda: self._finish_and_commit(finish, model_id, runs, lengths, failed)
+        self._commit_runs(runs, lengths, failed)
+        return None
+
+    def _finish_and_commit(self, finish: Callable[[], None], model_id: str, runs: list[_Run],
+                           lengths: list[int], failed: dict[int, dict[int, str]]) -> None:
+        try:
+            finish()
+        except Exception as exc:  # a failed copy fails its slots, not the worker
+            log.exception("worker %s: finishing a batch of model %s failed", self.peer_id, model_id)
+            _fail_runs(runs, failed, f"generator failed: {exc!r}")
             return
+        self._commit_runs(runs, lengths, failed)
+
+    def _commit_runs(self, runs: list[_Run], lengths: list[int], failed: dict[int, dict[int, str]]) -> None:
         start = 0
         for run in runs:
             self._commit(run, lengths[start:start + len(run.targets)], failed)
@@ -456,8 +502,8 @@ class Worker:
 
     def _maybe_drop_segments(self) -> None:
         """Unmap segments whose owner unlinked them, so their memory can be freed."""
-        if time.monotonic() - self._segments_checked < SEGMENT_RECHECK_S:
-            return
+        if time.monotonic() - self._segments_checked < SEGMENT_RECHECK_S or self._deferred is not None:
+            return  # (a batch still to commit may write to any of them)
         self._segments_checked = time.monotonic()
         for name in [n for n in self._segments
                      if not os.path.exists(os.path.join(SHM_DIR, _segment_name(n)))]:
@@ -480,6 +526,11 @@ class Worker:
 def _segment_name(medium: str) -> str:
     """The shared-memory segment behind a medium name (a network medium's, mapped locally)."""
     return parse_medium(medium).segment if is_tcp_medium(medium) else medium
+
+
+def _fail_runs(runs: list[_Run], failed: dict[int, dict[int, str]], why: str) -> None:
+    for run in runs:
+        failed.setdefault(run.work_id, {}).update(dict.fromkeys(run.idxs, why[:200]))
 
 
 def _group_by_model(works: list[Message]) -> list[list[Message]]:

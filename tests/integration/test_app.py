@@ -130,12 +130,35 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     overrides = [*_tiny(tmp_path, layers=2), "teacher=tiny_bert", "teacher.tiny.hidden_size=32",
                  "replacement=linear_attention", "run_id=e2ebert", "student.steps_per_stage=10",
                  "student.layers_per_stage=2", f"checkpoint_dir={tmp_path / 'ckpt'}"]
-    _run(overrides, tmp_path / "run", tmp_path)
+    result = _run(overrides, tmp_path / "run", tmp_path)
+    log = result.stdout + result.stderr
     _wait_gone("e2ebert")
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["eval"]["kind"] == "encoder"
     assert 0 < result["eval"]["student"] <= 1.0
     assert set(result["eval"]["per_layer"]) == {"0", "1"}
+    _check_data_supply_and_time_split(tmp_path / "run", log)
+
+
+def _check_data_supply_and_time_split(run: Path, log: str) -> None:
+    """Each stage reports how well the teachers fed it (and says so when they did not);
+    the run's wall time is split into teacher, transport, student compute and waiting."""
+    from distill.student import STARVED_FRACTION
+
+    stage_ends = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["event"] == "stage_end"]
+    assert stage_ends
+    for end in stage_ends:
+        assert 0 <= end["wait_fraction"] < 1
+        assert 0 < end["delivered_samples_per_s"] <= end["needed_samples_per_s"]
+        starved = f"stage {end['stage']} was teacher-bound" in log
+        assert starved == (end["wait_fraction"] >= STARVED_FRACTION), (end, log[-2000:])
+    split = json.loads((run / "result.json").read_text())["time_split"]
+    assert split["teacher forward (mean per worker)"] > 0
+    assert split["student compute"] > 0
+    student_lane = sum(v for k, v in split.items() if k.startswith("student"))
+    assert abs(student_lane - split["wall_s"]) < 0.05 * split["wall_s"]
+    assert "## Where the time went" in (run / "report.md").read_text()
 
 
 @pytest.mark.parametrize("fault", ["sigint", "worker_dies"])

@@ -1,0 +1,159 @@
+"""Where a run's wall time goes: teacher, transport, student compute, waiting.
+
+Why it is split across processes: the teacher works in worker processes, the
+transport in the broker and in the copies on both sides, the students in their
+ranks. Each side measures what only it can see, and ``mode=local`` (which outlives
+them all) puts the parts side by side at the end of the run:
+
+- teacher workers: :class:`TimedBatchFn` counts the seconds spent in the batch
+  function (its ``finish`` included) and, through ``copy_s``, how much of that was
+  writing slots; :class:`TimingWriter` dumps the counters every second to
+  ``teacher_time.<pid>.json`` in the run directory (a file, not a message: the
+  wire protocol stays the transport's own);
+- the broker: its CPU seconds, read from ``/proc`` by the supervisor;
+- students: wait and compute seconds in ``result.json``'s ``timings``.
+
+The teacher and transport rows are parallel lanes (one per worker, the broker's
+own), so their share of the wall time is a utilisation; the student lane adds up
+to the wall time with setup, validation, export and evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TEACHER_TIME_GLOB = "teacher_time.*.json"
+WRITE_EVERY_S = 1.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class TimedBatchFn:
+    """Wraps a worker's batch function: seconds busy, samples, batches, and slot-copy seconds."""
+
+    def __init__(self, batch_fn: Callable, copy_s: Callable[[], float] = lambda: 0.0) -> None:
+        self.batch_fn = batch_fn
+        self.copy_s = copy_s
+        self.busy_s = 0.0
+        self.samples = 0
+        self.batches = 0
+        self.started = time.monotonic()
+
+    def __call__(self, model_id: str, model_cfg: dict | None, targets: list) -> Callable[[], None] | None:
+        t0 = time.perf_counter()
+        try:
+            finish = self.batch_fn(model_id, model_cfg, targets)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        self.samples += len(targets)
+        self.batches += 1
+        if finish is None:
+            return None
+
+        def timed_finish() -> None:
+            t1 = time.perf_counter()
+            try:
+                finish()
+            finally:
+                self.busy_s += time.perf_counter() - t1
+
+        return timed_finish
+
+    def snapshot(self) -> dict[str, float]:
+        copy_s = self.copy_s()
+        return {"pid": os.getpid(), "alive_s": time.monotonic() - self.started, "busy_s": self.busy_s,
+                "teacher_s": max(self.busy_s - copy_s, 0.0), "copy_s": copy_s,
+                "samples": self.samples, "batches": self.batches}
+
+
+class TimingWriter:
+    """A daemon thread writing ``snapshot()`` to ``path`` every ``interval_s`` (atomically)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], path: Path,
+                 interval_s: float = WRITE_EVERY_S) -> None:
+        self.snapshot = snapshot
+        self.path = path
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="timing-writer", daemon=True)
+
+    def start(self) -> TimingWriter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.write()
+
+    def write(self) -> None:
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.snapshot()))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a full or read-only run dir must not stop the teacher
+            log.debug("could not write %s: %s", self.path, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process (all its threads), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def read_teacher_times(run_dir: Path) -> list[dict[str, float]]:
+    """The last counters each teacher worker of this run wrote."""
+    times = []
+    for path in sorted(run_dir.glob(TEACHER_TIME_GLOB)):
+        try:
+            times.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            log.warning("ignoring %s: %s", path, exc)
+    return times
+
+
+def time_split(wall_s: float, student: dict[str, float], teachers: list[dict[str, float]],
+               broker_cpu_s: float | None) -> list[tuple[str, float]]:
+    """Rows (part, seconds) of a run's time: per-worker means for the teacher lanes."""
+    workers = max(len(teachers), 1)
+    rows = [
+        ("teacher forward (mean per worker)", sum(t["teacher_s"] for t in teachers) / workers),
+        ("transport: slot writes (mean per worker)", sum(t["copy_s"] for t in teachers) / workers),
+    ]
+    if broker_cpu_s is not None:
+        rows.append(("transport: broker CPU", broker_cpu_s))
+    compute_s, wait_s = student.get("student_compute_s", 0.0), student.get("student_wait_s", 0.0)
+    rows += [
+        ("student compute", compute_s),
+        ("student waiting for data", wait_s),
+        ("student other (setup, validation, checkpoints, export, evaluation)",
+         max(wall_s - compute_s - wait_s, 0.0)),
+    ]
+    return rows
+
+
+def format_time_split(rows: list[tuple[str, float]], wall_s: float, num_workers: int) -> str:
+    """The rows as a markdown table, each with its share of the run's wall time."""
+    lines = ["## Where the time went", "",
+             f"Run wall time {wall_s:.1f} s, {num_workers} teacher worker(s). Teacher and transport rows "
+             "run in parallel with the students (their share is a utilisation); the student rows add "
+             "up to the wall time.", "",
+             "| part | seconds | share of wall time |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {seconds:.1f} | {seconds / wall_s:.0%} |" for name, seconds in rows]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""How a run's time is accounted: data supply per stage, teacher counters, the split table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.student import data_supply
+from distill.timing import (
+    TimedBatchFn,
+    TimingWriter,
+    format_time_split,
+    read_teacher_times,
+    time_split,
+)
+from distill.transfer import DeviceToSlots
+
+
+def test_data_supply_says_how_short_the_teachers_were() -> None:
+    # 10 s of steps, 4 s of them waiting, 600 samples: 60/s arrived, 100/s could be taken
+    supply = data_supply(wait_s=4.0, step_s=10.0, samples=600, startup_wait_s=0.5)
+    assert supply["wait_fraction"] == pytest.approx(0.4)
+    assert supply["delivered_samples_per_s"] == pytest.approx(60.0)
+    assert supply["needed_samples_per_s"] == pytest.approx(100.0)
+    assert supply["startup_wait_s"] == 0.5
+    fed = data_supply(wait_s=0.0, step_s=10.0, samples=600)
+    assert fed["wait_fraction"] == 0 and fed["needed_samples_per_s"] == fed["delivered_samples_per_s"]
+
+
+@pytest.mark.timeout(30)
+def test_teacher_counters_reach_the_run_dir(tmp_path: Path) -> None:
+    copier = DeviceToSlots("cpu")
+    states = [torch.randn(4, 64, 256)]
+
+    def batch_fn(model_id: str, model_cfg: dict | None, targets: list) -> None:
+        torch.randn(256, 256) @ torch.randn(256, 256)  # the "forward"
+        copier.start(states, targets)()  # on CPU the copies are done on return
+
+    timed = TimedBatchFn(batch_fn, copy_s=lambda: copier.copy_s)
+    dests = list(torch.zeros(4, 1, 64, 256))
+    for _ in range(3):
+        assert timed("m", None, dests) is None
+    writer = TimingWriter(timed.snapshot, tmp_path / "teacher_time.1.json", interval_s=0.05).start()
+    writer.stop()
+    (times,) = read_teacher_times(tmp_path)
+    assert times["samples"] == 12 and times["batches"] == 3
+    assert 0 < times["copy_s"] <= times["busy_s"]
+    assert times["teacher_s"] == pytest.approx(times["busy_s"] - times["copy_s"])
+    torch.testing.assert_close(dests[0][0], states[0][0])
+
+
+def test_time_split_student_lane_adds_up_to_the_wall_time() -> None:
+    teachers = [{"teacher_s": 30.0, "copy_s": 2.0}, {"teacher_s": 20.0, "copy_s": 4.0}]
+    rows = dict(time_split(100.0, {"student_compute_s": 50.0, "student_wait_s": 10.0}, teachers, 5.0))
+    assert rows["teacher forward (mean per worker)"] == 25.0
+    assert rows["transport: slot writes (mean per worker)"] == 3.0
+    assert rows["transport: broker CPU"] == 5.0
+    assert sum(v for k, v in rows.items() if k.startswith("student")) == pytest.approx(100.0)
+    table = format_time_split(list(rows.items()), 100.0, num_workers=2)
+    assert "| student waiting for data | 10.0 | 10% |" in table

@@ -1,0 +1,73 @@
+"""The GPU copy paths (``distill.transfer``) against plain copies, on CPU and on CUDA.
+
+The CPU cases check the fallback that every CPU run takes; the CUDA cases (marked
+``gpu``, skipped without CUDA) check the pinned, side-stream, non-blocking paths
+against the same reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill.pipeline import BatchConfig, DistillIterableDataset, TensorSpec
+from distill.transfer import DevicePrefetcher, DeviceToSlots
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _states(device: str, positions: int, batch: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 8, 16, generator=generator).to(device) for _ in range(positions)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_to_slots_writes_every_state_of_every_sample(device: str) -> None:
+    batch, positions, max_positions = 5, 2, 3
+    dests_BPTD = torch.full((batch, max_positions, 8, 16), -1.0)  # slots sized for the largest stage
+    states = _states(device, positions, batch, seed=0)
+    finish = DeviceToSlots(device).start(states, list(dests_BPTD))
+    finish()
+    for i in range(batch):
+        for j in range(positions):
+            torch.testing.assert_close(dests_BPTD[i, j], states[j][i].cpu())
+    assert bool((dests_BPTD[:, positions:] == -1).all())  # nothing past the stage's positions
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_to_slots_batches_in_flight_do_not_overwrite_each_other(device: str) -> None:
+    """The worker starts batch n+1 before it finishes batch n: both must land intact."""
+    copier = DeviceToSlots(device)
+    first, second = torch.zeros(4, 1, 8, 16), torch.zeros(3, 1, 8, 16)
+    states_a, states_b = _states(device, 1, 4, seed=1), _states(device, 1, 3, seed=2)
+    finish_a = copier.start(states_a, list(first))
+    finish_b = copier.start(states_b, list(second))
+    finish_a()
+    finish_b()
+    torch.testing.assert_close(first[:, 0], states_a[0].cpu())
+    torch.testing.assert_close(second[:, 0], states_b[0].cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetcher_yields_every_batch_in_order_on_the_device(device: str) -> None:
+    host = [{"x": torch.full((4, 32), float(i)).pin_memory() if device == "cuda" else torch.full((4, 32), float(i)),
+             "ids": torch.arange(4) + i} for i in range(5)]
+    got = list(DevicePrefetcher(iter(host), device))
+    assert len(got) == len(host)
+    for i, batch in enumerate(got):
+        assert batch["x"].device.type == device
+        torch.testing.assert_close(batch["x"].cpu(), host[i]["x"])
+        torch.testing.assert_close(batch["ids"].cpu(), host[i]["ids"])
+    if device == "cpu":
+        assert all(a is b for a, b in zip(got, host, strict=True))  # CPU: passed through, no copy
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_pinned_batches_without_cuda_name_the_setting() -> None:
+    config = BatchConfig([TensorSpec("x", (4,), "float32")])
+    with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+        DistillIterableDataset(0, None, 8, config, "ipc:///nonexistent", batch_size=4, pin_memory=True)
+    with pytest.raises(ValueError, match="reuse_batches"):
+        DistillIterableDataset(0, None, 8, config, "ipc:///nonexistent", batch_size=4, pin_memory=True,
+                               reuse_batches=True)
