@@ -379,6 +379,8 @@ class StudentClient:
                               heartbeat_interval_s=heartbeat_interval_s,
                               heartbeat_liveness=heartbeat_liveness)
         self._pool.on_rejoin = self._rejoin
+        self._control_lock = threading.Lock()  # a restore never interleaves with a switch
+        self._keeper: threading.Thread | None = None
         self._requested = False
         self._held: set[int] = set()
         self._sub_thread: threading.Thread | None = None
@@ -427,13 +429,15 @@ class StudentClient:
         When this returns, no sample of an older generation is yielded by this client
         or by datasets sharing its ``generation_value``.
         """
-        reply = self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": model_id,
-                                                  "model_cfg": model_cfg})
-        if reply.command is not Command.MODEL_SET:
-            raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
-        self._note_generation(reply.body["generation"])
-        self.model_id = model_id
-        self._model_cfg = model_cfg
+        with self._control_lock:
+            reply = self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": model_id,
+                                                      "model_cfg": model_cfg})
+            if reply.command is not Command.MODEL_SET:
+                raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
+            self._note_generation(reply.body["generation"])
+            self.model_id = model_id
+            self._model_cfg = model_cfg
+        self._start_keeper()
         return reply.body["generation"]
 
     def stop_workers(self) -> None:
@@ -506,16 +510,43 @@ class StudentClient:
 
     def _rejoin(self) -> None:
         """A restarted broker lost the run's model: the leader restores it."""
-        if self.student_rank == 0 and self.model_id is not None:
-            log.warning("restoring model %s (generation %d) on the broker", self.model_id, self.generation)
-            self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
-                                              "model_cfg": self._model_cfg,
-                                              "restore_generation": self.generation})
+        with self._control_lock:
+            if self.student_rank == 0 and self.model_id is not None:
+                log.warning("restoring model %s (generation %d) on the broker", self.model_id,
+                            self.generation)
+                self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
+                                                  "model_cfg": self._model_cfg,
+                                                  "restore_generation": self.generation})
+
+    def _start_keeper(self) -> None:
+        """Leader: restore the model on a restarted broker even if this client never asks
+        for samples itself (the app's ranks read through DataLoader workers, whose pools
+        notice the restart but cannot restore a model they do not know)."""
+        if self._keeper is not None or self.student_rank != 0:
+            return
+        self._keeper = threading.Thread(target=self._keep_model, daemon=True, name="model-keeper")
+        self._keeper.start()
+
+    def _keep_model(self) -> None:
+        heart = self._pool._heart
+        known = heart.broker_id
+        while not self._sub_stop.wait(heart.interval_s):
+            broker_id = heart.broker_id
+            if broker_id == known:
+                continue
+            if known is not None:  # a new broker instance answers: it has no model for our run
+                try:
+                    self._rejoin()
+                except TimeoutError as exc:
+                    log.warning("%s; retrying at the next heartbeat", exc)
+                    continue
+            known = broker_id
 
     def close(self) -> None:
         self._sub_stop.set()
-        if self._sub_thread is not None:
-            self._sub_thread.join(timeout=2)
+        for thread in (self._sub_thread, self._keeper):
+            if thread is not None:
+                thread.join(timeout=2)
         self._pool.close()
 
     def __enter__(self) -> StudentClient:
