@@ -108,7 +108,7 @@ class SlotPool:
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.connect(frontend_endpoint)
         self._heart = Heartbeater(frontend_endpoint, self.peer_id, role, interval_s=heartbeat_interval_s,
-                                  liveness=heartbeat_liveness).start()
+                                  liveness=heartbeat_liveness, first_beat_now=True).start()
         self._free: deque[int] = deque(range(slot_count))
         self._pending: dict[int, int] = {}  # slot -> request id
         self._ready: deque[tuple[int, int, int]] = deque()  # (slot, generation, request id)
@@ -119,6 +119,7 @@ class SlotPool:
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0}
         self._closed = False
+        self._met_broker = False
         self._warned_silent = False
         self._consecutive_failures = 0
         self._failure_logged = 0.0
@@ -155,12 +156,28 @@ class SlotPool:
     def flush(self) -> None:
         if not self._to_request:
             return
+        if not self._met_broker:
+            self._meet_broker()
         slots = [[s, self._pending[s]] for s in self._to_request if s in self._pending]
         self._to_request.clear()
         protocol.send(self._sock, Command.REQUEST, {
             "run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
             "medium": self.medium.buf_name, "stride": self.medium.slot_stride, "slots": slots,
         })
+
+    def _meet_broker(self) -> None:
+        """Before the first REQUEST: learn which broker instance will hold it.
+
+        A restart is told by the broker's instance id changing; a pool that sent its
+        requests to a broker it never heard from could not tell that broker's
+        successor from it, and would wait forever for slots the successor never got.
+        Bounded: a broker that is down now gets the requests when it comes up.
+        """
+        self._met_broker = True
+        timeout_s = self._heart.interval_s * self._heart.liveness
+        if not self._heart.introduced.wait(timeout_s):
+            log.warning("%s: no answer from the broker in %.1fs; sending requests anyway", self.peer_id,
+                        timeout_s)
 
     # ------------------------------------------------------------------ delivery
     def next_ready(self, timeout_ms: float) -> tuple[int, int, int] | None:
@@ -318,6 +335,7 @@ class SlotPool:
                     log.warning("bad message from broker: %s", exc.reason)
                     continue
                 if welcome is not None:
+                    self._meet_broker()  # so a leader can tell this broker from a restarted one
                     return welcome
         raise TimeoutError(f"no answer from the broker at {self._sock.last_endpoint.decode()} in "
                            f"{timeout_ms / 1000:.0f}s: is `python -m distill mode=broker` running?")

@@ -36,7 +36,7 @@ class Heartbeater:
 
     def __init__(self, endpoint: str, peer_id: str, role: str, *,
                  interval_s: float = HEARTBEAT_INTERVAL_S,
-                 liveness: int = HEARTBEAT_LIVENESS) -> None:
+                 liveness: int = HEARTBEAT_LIVENESS, first_beat_now: bool = False) -> None:
         self.endpoint = endpoint
         self.peer_id = peer_id
         self.role = role
@@ -45,6 +45,8 @@ class Heartbeater:
         self.last_heard = time.monotonic()
         self.broker_id: str | None = None  # the broker instance that answers us
         self.forgotten = threading.Event()  # broker answered RECONNECT, or restarted
+        self.introduced = threading.Event()  # some broker instance has answered (broker_id is set)
+        self._first_beat_s = 0.0 if first_beat_now else interval_s
         self._stop = threading.Event()
         self._beats = 0
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{peer_id}", daemon=True)
@@ -68,8 +70,9 @@ class Heartbeater:
         sock.connect(self.endpoint)
         try:
             # The first beat waits one interval, so the owner's own first message
-            # (READY, REQUEST) reaches the broker before the broker hears of us here.
-            while not self._stop.wait(0 if self._beats else self.interval_s):
+            # (READY, REQUEST) reaches the broker before the broker hears of us here
+            # (unless the owner asks to learn the broker's instance first: first_beat_now).
+            while not self._stop.wait(0 if self._beats else self._first_beat_s):
                 self._beats += 1
                 protocol.send(sock, Command.HEARTBEAT, {"peer_id": self.peer_id, "role": self.role})
                 deadline = time.monotonic() + self.interval_s
@@ -94,4 +97,5 @@ class Heartbeater:
                 log.warning("%s: broker restarted (%s -> %s)", self.peer_id, self.broker_id, broker_id)
                 self.forgotten.set()
             self.broker_id = broker_id
+            self.introduced.set()
 

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -206,3 +207,31 @@ def test_broker_restart_under_dataloader_workers(procs, endpoints) -> None:
     procs.join(student, 30)
     assert after == "after"
     assert report == {"corrupt": 0, "duplicates": 0, "wrong_generation": 0, "generation": 1}
+
+
+@pytest.mark.timeout(120)
+def test_broker_killed_before_a_new_pool_heard_from_it(procs, endpoints) -> None:
+    """A pool sends its first REQUEST and the broker dies before any heartbeat of the
+    pool was answered: the pool must still tell the restarted broker from the dead one
+    (it learns the broker's instance before its first REQUEST) and ask again."""
+    broker = procs.start(peers.run_broker, endpoints, HEARTBEAT_S, name="broker")
+    config = peers.batch_config()
+    with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"], endpoints["control_pub"],
+                       heartbeat_interval_s=HEARTBEAT_S) as client:
+        client.hello()
+        generation = client.set_model("layer_0")
+        dataset = DistillIterableDataset(0, client.generation_value, 4, config, endpoints["frontend"],
+                                         with_meta=True, timeout_s=30, heartbeat_interval_s=2.0)
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(next(iter(dataset))), daemon=True)
+        reader.start()  # no worker yet: its requests stay queued on this broker
+        time.sleep(0.5)
+        os.kill(broker.pid, signal.SIGKILL)
+        broker.join(10)
+        procs.start(peers.run_broker, endpoints, HEARTBEAT_S, name="broker2")
+        procs.start(peers.run_worker, endpoints, name="worker", heartbeat_interval_s=HEARTBEAT_S)
+        reader.join(60)
+        assert got, "the pool never asked the restarted broker again"
+        sample = got[0]
+        assert int(sample["generation"]) == generation
+        assert torch.equal(sample["x"], peers.expected_x(int(sample["request_id"]), generation))
