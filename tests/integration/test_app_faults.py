@@ -251,10 +251,8 @@ def test_ddp_rank_killed_run_stops_then_resumes(app_factory) -> None:
     assert set(ranks) == {0, 1}, ranks
     dead = [ranks[1], *_children(ranks[1])]  # the rank and its DataLoader worker: slots in both
     os.kill(ranks[1], signal.SIGKILL)
-    started = time.monotonic()
     code = app.wait(students, 120)  # torchrun tears rank 0 down; nobody hangs on a collective
     assert code != 0
-    stopped_s = time.monotonic() - started
     killed_at = json.loads(state.read_text())
 
     def dropped() -> bool:  # the broker forgot every peer of the dead run, and its requests
@@ -273,7 +271,6 @@ def test_ddp_rank_killed_run_stops_then_resumes(app_factory) -> None:
     metrics = app.metrics()
     ends = {m["stage"]: m["steps"] for m in metrics if m["event"] == "stage_end"}
     assert ends == dict.fromkeys(range(killed_at["stage"], LAYERS), steps), ends
-    assert stopped_s < 120
 
 
 @pytest.mark.timeout(240)
