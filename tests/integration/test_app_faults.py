@@ -133,8 +133,10 @@ def _private_runtime_dir() -> Path:
 def app_factory(tmp_path: Path, teacher_cache: Path) -> Iterator[Callable[[str], App]]:
     apps: list[App] = []
 
-    def make(run_id: str) -> App:
-        apps.append(App(tmp_path, run_id, teacher_cache))
+    def make(prefix: str) -> App:
+        # The pid keeps runs of this test in other checkouts on the machine apart
+        # (processes are told apart by the run id on their command line).
+        apps.append(App(tmp_path, f"{prefix}{os.getpid()}", teacher_cache))
         return apps[-1]
 
     yield make
