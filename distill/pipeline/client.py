@@ -118,7 +118,7 @@ class SlotPool:
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.connect(frontend_endpoint)
         self._heart = Heartbeater(frontend_endpoint, self.peer_id, role, interval_s=heartbeat_interval_s,
-                                  liveness=heartbeat_liveness, keys=keys).start()
+                                  liveness=heartbeat_liveness, keys=keys, first_beat_now=True).start()
         self._free: deque[int] = deque(range(slot_count))
         self._pending: dict[int, int] = {}  # slot -> request id
         self._ready: deque[tuple[int, int, int]] = deque()  # (slot, generation, request id)
@@ -133,6 +133,7 @@ class SlotPool:
         self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
         self._quarantine_checked = 0.0
         self._closed = False
+        self._met_broker = False
         self._warned_silent = False
         self._consecutive_failures = 0
         self._failure_logged = 0.0
@@ -180,12 +181,28 @@ class SlotPool:
     def flush(self) -> None:
         if not self._to_request:
             return
+        if not self._met_broker:
+            self._meet_broker()
         slots = [[s, self._pending[s]] for s in self._to_request if s in self._pending]
         self._to_request.clear()
         protocol.send(self._sock, Command.REQUEST, {
             "run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
             "medium": self.medium.buf_name, "stride": self.medium.slot_stride, "slots": slots,
         })
+
+    def _meet_broker(self) -> None:
+        """Before the first REQUEST: learn which broker instance will hold it.
+
+        A restart is told by the broker's instance id changing; a pool that sent its
+        requests to a broker it never heard from could not tell that broker's
+        successor from it, and would wait forever for slots the successor never got.
+        Bounded: a broker that is down now gets the requests when it comes up.
+        """
+        self._met_broker = True
+        timeout_s = self._heart.interval_s * self._heart.liveness
+        if not self._heart.introduced.wait(timeout_s):
+            log.warning("%s: no answer from the broker in %.1fs; sending requests anyway", self.peer_id,
+                        timeout_s)
 
     # ------------------------------------------------------------------ delivery
     def next_ready(self, timeout_ms: float) -> tuple[int, int, int] | None:
@@ -459,6 +476,7 @@ class SlotPool:
                     log.warning("bad message from broker: %s", exc.reason)
                     continue
                 if welcome is not None:
+                    self._meet_broker()  # so a leader can tell this broker from a restarted one
                     return welcome
         raise TimeoutError(f"no answer from the broker at {self._sock.last_endpoint.decode()} in "
                            f"{timeout_ms / 1000:.0f}s: is `python -m distill mode=broker` running?")
@@ -538,6 +556,8 @@ class StudentClient:
                               heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host,
                               curve=self._keys)
         self._pool.on_rejoin = self._rejoin
+        self._control_lock = threading.Lock()  # a restore never interleaves with a switch
+        self._keeper: threading.Thread | None = None
         self._requested = False
         self._held: set[int] = set()
         self._sub_thread: threading.Thread | None = None
@@ -589,13 +609,15 @@ class StudentClient:
         if self.student_rank != 0:
             raise RuntimeError(f"rank {self.student_rank} is not the leader: only rank 0 switches the "
                                "model; other ranks call start_sub_listener() and wait_generation()")
-        reply = self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": model_id,
-                                                  "model_cfg": model_cfg, **self._leader()})
-        if reply.command is not Command.MODEL_SET:
-            raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
-        self._note_generation(reply.body["generation"])
-        self.model_id = model_id
-        self._model_cfg = model_cfg
+        with self._control_lock:
+            reply = self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": model_id,
+                                                      "model_cfg": model_cfg, **self._leader()})
+            if reply.command is not Command.MODEL_SET:
+                raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
+            self._note_generation(reply.body["generation"])
+            self.model_id = model_id
+            self._model_cfg = model_cfg
+        self._start_keeper()
         return reply.body["generation"]
 
     def stop_workers(self) -> None:
@@ -675,19 +697,47 @@ class StudentClient:
 
     def _rejoin(self) -> None:
         """A restarted broker lost the run's model: the leader restores it."""
-        if self.student_rank == 0 and self.model_id is not None:
-            log.warning("restoring model %s (generation %d) on the broker", self.model_id, self.generation)
-            self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
-                                              "model_cfg": self._model_cfg,
-                                              "restore_generation": self.generation, **self._leader()})
+        with self._control_lock:
+            if self.student_rank == 0 and self.model_id is not None:
+                log.warning("restoring model %s (generation %d) on the broker", self.model_id,
+                            self.generation)
+                self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
+                                                  "model_cfg": self._model_cfg,
+                                                  "restore_generation": self.generation,
+                                                  **self._leader()})
+
+    def _start_keeper(self) -> None:
+        """Leader: restore the model on a restarted broker even if this client never asks
+        for samples itself (the app's ranks read through DataLoader workers, whose pools
+        notice the restart but cannot restore a model they do not know)."""
+        if self._keeper is not None or self.student_rank != 0:
+            return
+        self._keeper = threading.Thread(target=self._keep_model, daemon=True, name="model-keeper")
+        self._keeper.start()
+
+    def _keep_model(self) -> None:
+        heart = self._pool._heart
+        known = heart.broker_id
+        while not self._sub_stop.wait(heart.interval_s):
+            broker_id = heart.broker_id
+            if broker_id == known:
+                continue
+            if known is not None:  # a new broker instance answers: it has no model for our run
+                try:
+                    self._rejoin()
+                except TimeoutError as exc:
+                    log.warning("%s; retrying at the next heartbeat", exc)
+                    continue
+            known = broker_id
 
     def _leader(self) -> dict[str, Any]:
         return {"leader_epoch": self.leader_epoch, "peer_id": self._pool.peer_id}
 
     def close(self) -> None:
         self._sub_stop.set()
-        if self._sub_thread is not None:
-            self._sub_thread.join(timeout=2)
+        for thread in (self._sub_thread, self._keeper):
+            if thread is not None:
+                thread.join(timeout=2)
         self._pool.close()
 
     def __enter__(self) -> StudentClient:

@@ -39,7 +39,8 @@ class Heartbeater:
 
     def __init__(self, endpoint: str, peer_id: str, role: str, *,
                  interval_s: float = HEARTBEAT_INTERVAL_S,
-                 liveness: int = HEARTBEAT_LIVENESS, keys: ClientKeys | None = None) -> None:
+                 liveness: int = HEARTBEAT_LIVENESS, keys: ClientKeys | None = None,
+                 first_beat_now: bool = False) -> None:
         self.endpoint = endpoint
         self.keys = keys
         self.refusal: str | None = None
@@ -51,6 +52,8 @@ class Heartbeater:
         self.last_heard = time.monotonic()
         self.broker_id: str | None = None  # the broker instance that answers us
         self.forgotten = threading.Event()  # broker answered RECONNECT, or restarted
+        self.introduced = threading.Event()  # some broker instance has answered (broker_id is set)
+        self._first_beat_s = 0.0 if first_beat_now else interval_s
         self._stop = threading.Event()
         self._beats = 0
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{peer_id}", daemon=True)
@@ -76,8 +79,10 @@ class Heartbeater:
         sock.connect(self.endpoint)
         try:
             # The first beat waits one interval, so the owner's own first message
-            # (READY, REQUEST) reaches the broker before the broker hears of us here.
-            self._listen(sock, watch)
+            # (READY, REQUEST) reaches the broker before the broker hears of us here
+            # (unless the owner asks to learn the broker's instance first: first_beat_now).
+            if self._first_beat_s:
+                self._listen(sock, watch)
             while not self._stop.is_set():
                 self._beats += 1
                 with contextlib.suppress(zmq.Again):
@@ -117,6 +122,7 @@ class Heartbeater:
                 log.warning("%s: broker restarted (%s -> %s)", self.peer_id, self.broker_id, broker_id)
                 self.forgotten.set()
             self.broker_id = broker_id
+            self.introduced.set()
 
 
 
