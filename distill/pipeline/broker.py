@@ -164,6 +164,10 @@ class Broker:
         self._students: dict[str, StudentPeer] = {}  # by peer_id
         self._purged_students: dict[str, None] = {}  # insertion-ordered set, bounded
         self._zombie_works: dict[tuple[str, int], Work] = {}  # (worker peer_id, work_id), bounded
+        self._outstanding: set[tuple[str, int, int]] = set()
+        """(medium, slot, request id) queued or in flight: a REQUEST that repeats one (a
+        student re-asking after our restart, its earlier REQUEST still on the way) is
+        dropped, so no slot is ever dispatched twice. Bounded by the queue and credit."""
         self.instance_id = f"broker-{uuid.uuid4().hex[:12]}"  # changes on restart
         self._next_work_id = 1
         self._rr_runs: deque[str] = deque()
@@ -371,6 +375,7 @@ class Broker:
         if stride <= HEADER_BYTES:
             raise ProtocolError(f"REQUEST.stride {stride} leaves no room after the {HEADER_BYTES}-byte header")
         refused, slots = self._over_room(identity, run, slots)
+        slots = self._new_requests(body["medium"], slots)
         if slots:
             run.queue.append(SlotRequests(identity, run.run_id, body["medium"], stride, slots))
             run.queued += len(slots)
@@ -379,6 +384,25 @@ class Broker:
         self._requested_rate.add(len(slots))
         if refused is not None:
             raise refused
+
+    def _new_requests(self, medium: str, slots: list[list[int]]) -> list[list[int]]:
+        """The slots not already outstanding with the same request id; marks them outstanding."""
+        out = self._outstanding
+        keys = [(medium, slot, req) for slot, req in slots]
+        if out.isdisjoint(keys):
+            out.update(keys)
+            return slots
+        fresh = [s for s, key in zip(slots, keys, strict=True) if key not in out]
+        log.info("dropped %d repeated request(s) for slots of %s", len(slots) - len(fresh), medium)
+        out.update((medium, slot, req) for slot, req in fresh)
+        return fresh
+
+    def _settled(self, requests: Any) -> None:
+        """These slot requests are answered or dropped: a new REQUEST may repeat them."""
+        out = self._outstanding
+        for request in requests:
+            medium = request.medium
+            out.difference_update([(medium, slot, req) for slot, req in request.slots])
 
     def _over_room(self, identity: bytes, run: RunState,
                    slots: list[list[int]]) -> tuple[ProtocolError | None, list[list[int]]]:
@@ -419,6 +443,7 @@ class Broker:
     def _drop_student_requests(self, peer: StudentPeer) -> None:
         run = self._runs.get(peer.run_id)
         if run is not None:
+            self._settled(r for r in run.queue if r.student == peer.identity)
             run.queue = deque(r for r in run.queue if r.student != peer.identity)
             run.queued = sum(len(r.slots) for r in run.queue)
         self._queued_by_student.pop(peer.identity, None)
@@ -514,6 +539,7 @@ class Broker:
         self._complete(work, failed)
 
     def _complete(self, work: Work, failed: dict[int, str]) -> None:
+        self._settled(work.requests)
         run = self._runs.get(work.run_id)
         stale = run is None or work.generation != run.generation
         by_student: dict[bytes, list[list]] = {}
@@ -676,6 +702,7 @@ class Broker:
         """A silent worker may still write its slots: tell their students not to reuse them."""
         live = {s.identity for s in self._students.values()}
         for work in peer.in_flight.values():
+            self._settled(work.requests)
             by_student: dict[bytes, list[list[int]]] = {}
             for request in work.requests:
                 if request.student in live:

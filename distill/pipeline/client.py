@@ -459,8 +459,9 @@ class SlotPool:
                     len(self._pending))
         if self.on_rejoin is not None:
             self.on_rejoin()
-        for slot in list(self._pending):
-            self._queue_request(slot)
+        # The same request ids: a REQUEST of ours that was still on its way reaches the
+        # new broker too, and the broker drops the repeat instead of filling a slot twice.
+        self._to_request.extend(self._pending)
         self.flush()
 
     def hello(self, rank: int, timeout_ms: float = CONTROL_TIMEOUT_MS) -> dict[str, Any]:

@@ -237,9 +237,6 @@ def test_broker_killed_before_a_new_pool_heard_from_it(procs, endpoints) -> None
         assert torch.equal(sample["x"], peers.expected_x(int(sample["request_id"]), generation))
 
 
-@pytest.mark.xfail(strict=True, reason="known, broker-side: REQUESTs sent while the broker is down reach "
-                   "its successor and are sent again when the pool rejoins, so one slot is dispatched "
-                   "twice and can have two writers at once (the broker should keep one request per slot)")
 @pytest.mark.timeout(60)
 def test_requests_sent_while_the_broker_is_down_are_not_doubled(endpoints, broker_kwargs) -> None:
     broker = Broker(**broker_kwargs, heartbeat_interval_s=HEARTBEAT_S).start()
