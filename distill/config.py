@@ -82,6 +82,9 @@ class PipelineConfig:
     sockets listen there, on ports the OS picks); null = the hostname's address."""
     local_shm: bool = True
     """medium=tcp, workers: write straight into the shared memory of students on this machine."""
+    fan_out: bool = False
+    """Students: let runs training the same stage share teacher samples (one teacher pass
+    feeds every opted-in run of a sweep; they then train on the same samples)."""
 
 
 @dataclass
