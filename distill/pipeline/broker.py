@@ -501,10 +501,9 @@ class Broker:
                 return
             run = self._runs[self._rr_runs[0]]
             self._rr_runs.rotate(-1)
-            if run.model_id is None or not run.queue:
+            if run.model_id is None or not run.queue or not self._send_next(worker, run):
                 idle += 1
                 continue
-            self._send_next(worker, run)
             idle = 0
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
@@ -522,13 +521,28 @@ class Broker:
                       for r in requests for slot_idx, request_id in r.slots],
         }, identity=worker.identity)
 
-    def _send_next(self, worker: WorkerPeer, run: RunState) -> None:
-        """One WORK for ``worker``: ``run`` alone, or with the runs it shares its model with."""
+    def _send_next(self, worker: WorkerPeer, run: RunState) -> bool:
+        """One WORK for ``worker``: ``run`` alone, or with the runs it shares its model
+        with. False when the slots wait for a partner run (see ``_waits``)."""
         partners = self._partners(run) if run.share_model else []
+        if run.share_model and self._waits(worker, run):
+            return False
         if partners:
             self._send_shared_work(worker, [run, *partners], min(worker.credit, worker.max_batch))
         else:
             self._send_work(worker, run, min(worker.credit, worker.max_batch))
+        return True
+
+    def _waits(self, worker: WorkerPeer, run: RunState) -> bool:
+        """Hold a sharing run's slots while the worker is busy anyway and another live
+        run of its model has no slots queued yet (its student is re-requesting): sent
+        now, they would be computed for this run alone. An idle worker never waits."""
+        if not worker.in_flight:
+            return False
+        waiting_for = {other.run_id for other in self._runs.values()
+                       if other is not run and other.share_model and not other.queue
+                       and other.model_id == run.model_id and other.model_cfg == run.model_cfg}
+        return bool(waiting_for & {student.run_id for student in self._students.values()})
 
     def _partners(self, run: RunState) -> list[RunState]:
         """Other opted-in runs with queued slots and exactly ``run``'s model."""
