@@ -99,6 +99,9 @@ class PipelineConfig:
     auth_client: str = "client"
     """This peer's key pair, <auth_keys_dir>/clients/<auth_client>.key_secret (workers, students,
     stats); the broker uses server.key_secret instead."""
+    fan_out: bool = False
+    """Students: let runs training the same stage share teacher samples (one teacher pass
+    feeds every opted-in run of a sweep; they then train on the same samples)."""
 
 
 @dataclass

@@ -427,7 +427,8 @@ def _setup_context(cfg: DictConfig) -> StudentContext:
     eps = endpoints(cfg)
     client = StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                            run_id=run_id(cfg), heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
-                           heartbeat_liveness=cfg.pipeline.heartbeat_liveness, curve=curve_config(cfg))
+                           heartbeat_liveness=cfg.pipeline.heartbeat_liveness, curve=curve_config(cfg),
+                           share_model=cfg.pipeline.fan_out)
     client.hello()
     if rank != 0:
         client.start_sub_listener()

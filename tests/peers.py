@@ -254,3 +254,42 @@ def run_limited_broker(endpoints: dict[str, str], limits: dict[str, int],
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     Broker(**{f"{k}_endpoint": v for k, v in endpoints.items()},
            heartbeat_interval_s=heartbeat_interval_s, **limits).run()
+
+
+def run_sharing_student(endpoints: dict[str, str], run_id: str, layers: list[int], samples_per_layer: int,
+                        results, start, *, share_model: bool, delay_s: float = 0.01,
+                        seconds: float | None = None) -> None:
+    """One run of a sweep that may share samples with other runs of the same model
+    (fan-out). A shared sample was made for another slot, maybe of another run, so its
+    payload is checked against its own tag (the request id and generation it was made
+    for), and its header against this run's slot: own request id, this run's current
+    generation. Reports the tags seen (which samples were computed for whom).
+    With ``seconds``, counts what arrives in that window instead of a fixed number."""
+    from distill.pipeline import StudentClient
+
+    setup_logging("WARNING")
+    with StudentClient(0, 16, batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"], run_id=run_id, heartbeat_interval_s=0.2,
+                       share_model=share_model) as client:
+        client.hello()
+        foreign = corrupt = 0
+        tags: list[int] = []
+        generations = []
+        for n, layer in enumerate(layers):
+            generations.append(client.set_model(f"layer_{layer}", {"layer": layer, "delay_s": delay_s}))
+            if n == 0:
+                start.wait(60)  # every run of the test asks from the same moment on
+            deadline = time.monotonic() + seconds if seconds else None
+            got = 0
+            while (deadline is None and got < samples_per_layer) or (deadline and time.monotonic() < deadline):
+                ref = client.request_sample(timeout_ms=30_000)
+                if ref is None:
+                    raise TimeoutError(f"run {run_id}: no sample for layer {layer}")
+                x, (made_for, made_gen) = ref.tensors["x"], ref.tensors["tag"].tolist()
+                foreign += int(x[0]) != layer or ref.generation != generations[-1]
+                corrupt += not torch.equal(x[1:], expected_x(made_for, made_gen)[1:])
+                tags.append(made_for)
+                got += 1
+                client.release_slot(ref.slot_id)
+        results.put({"run_id": run_id, "foreign": foreign, "corrupt": corrupt, "generations": generations,
+                     "tags": tags, "counts": dict(client._pool.counts)})

@@ -26,6 +26,17 @@ finished writing, so its unstarted work is simply re-queued.
 Only the leader switches a run's model: SET_MODEL carries the leader's epoch, and
 one older than the newest the run has seen (a stale leader) is refused.
 
+Fan-out (opt-in per run, ``SET_MODEL.share_model``): runs with the same model
+(equal ``model_id`` and ``model_cfg``) that all opted in are served together. One
+WORK takes up to ``max_batch`` queued slots of *each* such run, and the j-th slot of
+every run gets the same sample (WORK.copies), so the teacher computes each sample
+once for all of them: a sweep of N student configs on one layer costs about one
+teacher pass, not N, and its jobs train on the same samples (a paired comparison).
+A run with fewer queued slots simply gets fewer copies: nobody waits for a partner.
+Such a WORK is kept as one part per run, each with its own generation, so a switch
+in one run discards only that run's part. A shared WORK spends one credit per
+sample computed (not per slot written): credit is the worker's teacher work.
+
 Slots travel through the broker in the groups they arrived in (a ``SlotRequests``
 per REQUEST, split only where a WORK ends), so the per-slot work of the broker is
 building the WORK and COMPLETE lists, nothing more.
@@ -97,6 +108,10 @@ class Work:
     generation: int
     requests: list[SlotRequests]
     num_slots: int
+    parts: list[Work] = field(default_factory=list)
+    """Fan-out: one part per run (each with its run's generation); empty for a one-run WORK."""
+    credit: int | None = None
+    """Credit spent, when not ``num_slots`` (a fan-out WORK spends one per sample computed)."""
 
 
 @dataclass
@@ -132,6 +147,8 @@ class RunState:
     discarded: int = 0
     leader_epoch: int = 0
     leader_id: str | None = None
+    share_model: bool = False
+    """Fan-out opt-in: its slots may get samples computed for other runs of the same model."""
 
 
 class Broker:
@@ -462,6 +479,7 @@ class Broker:
         else:
             run.generation += 1
         run.model_id, run.model_cfg = body["model_id"], body.get("model_cfg")
+        run.share_model = bool(body.get("share_model"))
         log.info("run %s: model %s, generation %d", run.run_id, run.model_id, run.generation)
         model = {"run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
                  "model_cfg": run.model_cfg}
@@ -534,9 +552,9 @@ class Broker:
         if work is None:
             peer.credit += body["num_items"]  # work from before a broker restart
             return
-        peer.credit += work.num_slots
+        peer.credit += work.num_slots if work.credit is None else work.credit
         failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < work.num_slots}
-        self._complete(work, failed)
+        self._complete_parts(work, failed)
 
     def _complete(self, work: Work, failed: dict[int, str]) -> None:
         self._settled(work.requests)
@@ -585,20 +603,21 @@ class Broker:
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self) -> None:
-        """Hand queued slots to workers with credit, one run (model) per WORK."""
-        if not self._workers:
-            return
-        for _ in range(len(self._rr_runs)):
-            run_id = self._rr_runs[0]
+        """Hand queued slots to workers with credit: one WORK per run in turn, to the
+        worker with the most credit, until a whole turn serves no run. The turn goes on
+        from where the last one stopped, so runs with equal demand get equal shares
+        (a full rotation per call would let the first run take every freed credit)."""
+        idle = 0
+        while self._workers and idle < len(self._rr_runs):
+            worker = max(self._workers.values(), key=lambda w: w.credit)
+            if worker.credit <= 0:
+                return
+            run = self._runs[self._rr_runs[0]]
             self._rr_runs.rotate(-1)
-            run = self._runs[run_id]
-            if run.model_id is None or not run.queue:
+            if run.model_id is None or not run.queue or not self._send_next(worker, run):
+                idle += 1
                 continue
-            for worker in sorted(self._workers.values(), key=lambda w: -w.credit):
-                if not run.queue:
-                    break
-                while worker.credit > 0 and run.queue:
-                    self._send_work(worker, run, min(worker.credit, worker.max_batch))
+            idle = 0
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
         requests = self._take(run, count)
@@ -615,6 +634,75 @@ class Broker:
             "items": [[r.medium, slot_idx, r.stride, request_id]
                       for r in requests for slot_idx, request_id in r.slots],
         }, identity=worker.identity)
+
+    def _send_next(self, worker: WorkerPeer, run: RunState) -> bool:
+        """One WORK for ``worker``: ``run`` alone, or with the runs it shares its model
+        with. False when the slots wait for a partner run (see ``_waits``)."""
+        partners = self._partners(run) if run.share_model else []
+        if run.share_model and self._waits(worker, run):
+            return False
+        if partners:
+            self._send_shared_work(worker, [run, *partners], min(worker.credit, worker.max_batch))
+        else:
+            self._send_work(worker, run, min(worker.credit, worker.max_batch))
+        return True
+
+    def _waits(self, worker: WorkerPeer, run: RunState) -> bool:
+        """Hold a sharing run's slots while the worker is busy anyway and another live
+        run of its model has no slots queued yet (its student is re-requesting): sent
+        now, they would be computed for this run alone. An idle worker never waits."""
+        if not worker.in_flight:
+            return False
+        waiting_for = {other.run_id for other in self._runs.values()
+                       if other is not run and other.share_model and not other.queue
+                       and other.model_id == run.model_id and other.model_cfg == run.model_cfg}
+        return bool(waiting_for & {student.run_id for student in self._students.values()})
+
+    def _partners(self, run: RunState) -> list[RunState]:
+        """Other opted-in runs with queued slots and exactly ``run``'s model."""
+        return [other for other in self._runs.values()
+                if other is not run and other.share_model and other.queue
+                and other.model_id == run.model_id and other.model_cfg == run.model_cfg]
+
+    def _send_shared_work(self, worker: WorkerPeer, runs: list[RunState], samples: int) -> None:
+        """A fan-out WORK: up to ``samples`` slots of each run; slot j of every run gets
+        sample j, computed once for the first run that has a j-th slot."""
+        parts = []
+        for run in runs:
+            requests = self._take(run, samples)
+            parts.append(Work(0, worker.identity, run.run_id, run.generation, requests,
+                              sum(len(r.slots) for r in requests)))
+        items, groups, copies, source_of = [], [], [], {}
+        for part, run in zip(parts, runs, strict=True):
+            groups.append([run.run_id, run.generation, part.num_slots])
+            for j, (request, slot_idx, request_id) in enumerate(_slots(part.requests)):
+                if j in source_of:
+                    copies.append([len(items), source_of[j]])
+                else:
+                    source_of[j] = len(items)
+                items.append([request.medium, slot_idx, request.stride, request_id])
+        work = Work(self._next_work_id, worker.identity, runs[0].run_id, runs[0].generation,
+                    [r for part in parts for r in part.requests], len(items), parts, len(source_of))
+        self._next_work_id += 1
+        worker.in_flight[work.work_id] = work
+        worker.credit -= len(source_of)
+        self._counters.dispatched += len(items)
+        protocol.send(self._backend, Command.WORK, {
+            "work_id": work.work_id, "run_id": work.run_id, "generation": work.generation,
+            "model_id": runs[0].model_id, "model_cfg": runs[0].model_cfg, "items": items,
+            "runs": groups, "copies": copies,
+        }, identity=worker.identity)
+
+    def _complete_parts(self, work: Work, failed: dict[int, str]) -> None:
+        """Complete a WORK, each run's part against its own run's generation."""
+        if not work.parts:
+            self._complete(work, failed)
+            return
+        start = 0
+        for part in work.parts:
+            end = start + part.num_slots
+            self._complete(part, {idx - start: why for idx, why in failed.items() if start <= idx < end})
+            start = end
 
     @staticmethod
     def _take(run: RunState, count: int) -> list[SlotRequests]:
@@ -686,7 +774,7 @@ class Broker:
 
     def _requeue(self, peer: WorkerPeer) -> None:
         live = {s.identity for s in self._students.values()}
-        for work in peer.in_flight.values():
+        for work in _parts(peer.in_flight.values()):
             run = self._runs.get(work.run_id)
             if run is None:
                 continue
@@ -769,3 +857,13 @@ def _check_limits(broker: Broker) -> None:
         log.warning("max_queued_per_student=%d is above the broker's send high-water mark (%d): a "
                     "student owed that many replies may lose some", broker.max_queued_per_student,
                     protocol.BROKER_SNDHWM)
+
+
+def _parts(works: Any) -> list[Work]:
+    """The one-run parts of ``works`` (a fan-out WORK has one per run)."""
+    return [part for work in works for part in (work.parts or [work])]
+
+
+def _slots(requests: list[SlotRequests]) -> Any:
+    """(request, slot_idx, request_id) of every slot of ``requests``, in order."""
+    return ((request, slot_idx, request_id) for request in requests for slot_idx, request_id in request.slots)

@@ -536,8 +536,11 @@ class StudentClient:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, leader_epoch: int | None = None,
-                 curve: CurveConfig | None = None) -> None:
+                 curve: CurveConfig | None = None, share_model: bool = False) -> None:
         self.student_rank = student_rank
+        # Fan-out opt-in: this run's slots may get samples the teacher made for other
+        # runs of the same model (one teacher pass for a whole sweep; see broker.py).
+        self.share_model = share_model
         # The newest leader of a run wins: a later start gets a larger epoch, so a
         # leader left over from an earlier incarnation of the job is refused.
         self.leader_epoch = time.time_ns() if leader_epoch is None else leader_epoch
@@ -732,7 +735,9 @@ class StudentClient:
             known = broker_id
 
     def _leader(self) -> dict[str, Any]:
-        return {"leader_epoch": self.leader_epoch, "peer_id": self._pool.peer_id}
+        """What the leader declares with every SET_MODEL besides the model."""
+        return {"leader_epoch": self.leader_epoch, "peer_id": self._pool.peer_id,
+                "share_model": self.share_model}
 
     def close(self) -> None:
         self._sub_stop.set()

@@ -32,6 +32,8 @@ DONE can carry hundreds of slots cheaply:
     WORK.items     [[medium, slot_idx, stride, request_id], ...]
     DONE.failed    [[item_idx, reason], ...]               (items not written)
     COMPLETE.slots [[slot_idx, request_id, ok], ...]
+    WORK.runs      [[run_id, generation, num_items], ...]  (fan-out only, see below)
+    WORK.copies    [[item_idx, source_item_idx], ...]      (fan-out only)
 
 A worker that stops answering may still be writing into the slots it was given
 (frozen, not dead). Its slots are not handed to anyone else: the broker sends the
@@ -39,6 +41,15 @@ student QUARANTINE (with the worker's process token, see ``liveness.process_toke
 and RELEASE when the worker's late DONE proves it is done with them; the student
 also frees them itself once that process is gone. SET_MODEL carries the leader's
 epoch: a switch from an older epoch than the run has seen is refused.
+
+Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
+(equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
+field cuts ``items`` into consecutive groups, each of its own run and generation
+(the top-level ``run_id``/``generation`` are those of the first group), and
+``copies`` says which items get the very sample made for another item (its
+*source*, never itself a copy): the worker computes each source once and copies
+its payload into every copy's slot, whose header still carries the copy's own
+request id and generation. A WORK without ``runs`` is the plain, one-run WORK.
 """
 
 from __future__ import annotations
@@ -117,14 +128,15 @@ SCHEMA: dict[Command, dict[str, str]] = {
                       "stride": "int", "slots": "slots"},
     Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
-                   "model_cfg": "dict?", "items": "items"},
+                   "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?"},
     Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed"},
     Command.COMPLETE: {"generation": "int", "slots": "done_slots"},
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
     Command.QUARANTINE: {"slots": "slots", "process": "str?"},
     Command.RELEASE: {"slots": "slots"},
     Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
-                        "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str"},
+                        "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str",
+                        "share_model": "bool?"},
     Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
     Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
     Command.STOP: {"run_id": "str?"},
@@ -195,6 +207,9 @@ def _check_value(command: Command, key: str, kind: str, value: Any) -> None:
     elif kind == "dict":
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be a map")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where} must be true or false")
     elif kind in _LIST_SHAPES:
         _check_list(where, value, _LIST_SHAPES[kind])
     else:  # pragma: no cover - schema typo
@@ -217,6 +232,8 @@ _LIST_SHAPES: dict[str, tuple[str, ...]] = {
     "items": ("str", "int", "int", "int"),
     "failed": ("int", "str"),
     "done_slots": ("int", "int", "bool"),
+    "runs": ("str", "int", "int"),
+    "copies": ("int", "int"),
 }
 
 
@@ -288,11 +305,24 @@ def _done_slots_ok(value: list) -> bool:
     return True
 
 
+def _runs_ok(value: list) -> bool:
+    for item in value:
+        if type(item) is not list or len(item) != 3:
+            return False
+        run_id, generation, count = item
+        if (type(run_id) is not str or len(run_id) > MAX_STRING_CHARS
+                or type(generation) is not int or type(count) is not int
+                or not 0 <= generation <= MAX_INT or not 0 <= count <= MAX_INT):
+            return False
+    return True
+
+
 _WELL_FORMED = {
     _LIST_SHAPES["slots"]: _slots_ok,
     _LIST_SHAPES["items"]: _items_ok,
     _LIST_SHAPES["failed"]: _failed_ok,
     _LIST_SHAPES["done_slots"]: _done_slots_ok,
+    _LIST_SHAPES["runs"]: _runs_ok,
 }
 
 # Quick checks of single values, by schema kind (same rule: a subset of what the
@@ -301,6 +331,7 @@ _QUICK_CHECKS = {
     "str": lambda v: type(v) is str and len(v) <= MAX_STRING_CHARS,
     "int": lambda v: type(v) is int and 0 <= v <= MAX_INT,
     "dict": lambda v: type(v) is dict,
+    "bool": lambda v: type(v) is bool,
     **{kind: (lambda v, ok=_WELL_FORMED[shape]: type(v) is list
               and len(v) <= MAX_ITEMS_PER_MESSAGE and ok(v))
        for kind, shape in _LIST_SHAPES.items()},

@@ -16,6 +16,11 @@ Two ways to make samples:
 
 The worker drains every WORK already waiting on its socket (up to ``max_batch``
 slots of one model) before calling the generator, so small requests are batched.
+A fan-out WORK (``runs``/``copies``, see ``protocol.py``) holds slots of several
+runs of one model: the worker computes only the *source* items, copies each
+source's payload into its copies' slots, and writes every header with its own
+run's generation; a run whose generation is stale here gets no header ("stale"),
+while its sources are still computed for the other runs that copy them.
 The payload is written first and the slot header last (see ``slot.py``): all
 headers of a batch at once, through one NumPy view of the segment's headers.
 Each slot's address is checked and its views are decoded once, the first time it
@@ -155,6 +160,8 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples_written = 0
+        self.samples_computed = 0
+        """Samples the generator made (less than ``samples_written`` under fan-out)."""
         self.local_shm = local_shm
         """Write into a network medium's segment directly when it is on this machine."""
         self._sender = TcpSender()
@@ -301,7 +308,12 @@ class Worker:
 
     # ------------------------------------------------------------------ filling
     def _process(self, works: list[Message], sock: zmq.Socket) -> None:
-        for group in _group_by_model(works):
+        shared = [[work] for work in works if work.body.get("runs") is not None]
+        plain = [work for work in works if work.body.get("runs") is None]
+        for group in shared:  # fan-out WORKs: filled and committed at once
+            self._finish_deferred(sock)
+            self._send_done(sock, group, self._fill_shared(group[0].body))
+        for group in _group_by_model(plain):
             failed, deferred = self._fill_group(group)
             self._finish_deferred(sock)  # the previous group's copies ran during this group's fill
             if deferred is None:
@@ -348,10 +360,11 @@ class Worker:
         return failed, None
 
     def _add_targets(self, body: dict, generation: int, runs: list[_Run],
-                     failed: dict[int, dict[int, str]]) -> None:
-        """A target for every item of one WORK, grouped in runs; bad addresses fail."""
+                     failed: dict[int, dict[int, str]], start: int = 0, stop: int | None = None) -> None:
+        """A target for every item of one WORK (or of its items start:stop), grouped in
+        runs; bad addresses fail."""
         work_id, run, cached_slots = body["work_id"], None, {}
-        for idx, (medium, slot_idx, stride, request_id) in enumerate(body["items"]):
+        for idx, (medium, slot_idx, stride, request_id) in enumerate(body["items"][start:stop], start):
             if run is None or medium != run.medium or stride != run.stride:
                 run = _Run(work_id, medium, stride)
                 runs.append(run)
@@ -416,6 +429,7 @@ class Worker:
             log.exception("worker %s: generator failed for model %s", self.peer_id, model_id)
             _fail_runs(runs, failed, f"generator failed: {exc!r}")
             return None
+        self.samples_computed += len(targets)
         if callable(finish):
             return lambda: self._finish_and_commit(finish, model_id, runs, lengths, failed)
         self._commit_runs(runs, lengths, failed)
@@ -489,6 +503,79 @@ class Worker:
             return
         self.samples_written += len(slot_idxs)
 
+    # ------------------------------------------------------------------ fan-out
+    def _fill_shared(self, body: dict) -> dict[int, dict[int, str]]:
+        """Fill a fan-out WORK: compute its sources once, copy them into their copies,
+        commit the slots of runs whose generation is current. Returns failures."""
+        work_id = body["work_id"]
+        try:
+            sources = _shared_sources(body)
+        except ProtocolError as exc:
+            log.warning("worker %s: %s", self.peer_id, exc.reason)
+            return {work_id: dict.fromkeys(range(len(body["items"])), exc.reason[:200])}
+        failed: dict[int, dict[int, str]] = {}
+        runs, live = self._shared_targets(body, failed)
+        where = {idx: target for run in runs for idx, target in zip(run.idxs, run.targets, strict=True)}
+        needed = sorted({sources.get(idx, idx) for run in live for idx in run.idxs} & where.keys())
+        try:
+            lengths = self._make(body["model_id"], body.get("model_cfg"), [where[i] for i in needed])
+        except Exception as exc:  # a generator bug must not kill the worker
+            log.exception("worker %s: generator failed for model %s", self.peer_id, body["model_id"])
+            for run in live:
+                failed.setdefault(work_id, {}).update(dict.fromkeys(run.idxs, f"generator failed: {exc!r}"[:200]))
+            return failed
+        self.samples_computed += len(needed)
+        made = dict(zip(needed, lengths, strict=True))
+        for run in live:
+            self._commit_copies(run, sources, where, made, failed)
+        return failed
+
+    def _shared_targets(self, body: dict, failed: dict[int, dict[int, str]]) -> tuple[list[_Run], list[_Run]]:
+        """Targets of every group of a fan-out WORK, and the runs of those whose
+        generation is current (the others' items fail as "stale")."""
+        runs: list[_Run] = []
+        live: list[_Run] = []
+        start = 0
+        for run_id, generation, count in body["runs"]:
+            first = len(runs)
+            self._add_targets(body, generation, runs, failed, start, start + count)
+            if generation < self._generation.get(run_id, 0):
+                failed.setdefault(body["work_id"], {}).update(dict.fromkeys(range(start, start + count), "stale"))
+            else:
+                self._note_generation(run_id, generation, body["model_id"])
+                live.extend(runs[first:])
+            start += count
+        return runs, live
+
+    def _make(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> list[int]:
+        """Generate into ``targets``; the payload length of each (-1: did not fit)."""
+        if not targets:
+            return []
+        if self.batch_fn is not None:
+            finish = self.batch_fn(model_id, model_cfg, targets)
+            if callable(finish):  # copies in flight: the copies below read these payloads
+                finish()
+            return [self.slot_size] * len(targets)
+        return [self._generate_one(model_id, model_cfg, t) for t in targets]
+
+    def _commit_copies(self, run: _Run, sources: dict[int, int], where: dict[int, SlotTarget],
+                       made: dict[int, int], failed: dict[int, dict[int, str]]) -> None:
+        """Copy each copy's source payload into its slot, then commit the run's slots."""
+        keep, lengths = [], []
+        for pos, idx in enumerate(run.idxs):
+            source = sources.get(idx, idx)
+            length = made.get(source)
+            if length is None:  # its source's address was bad
+                failed.setdefault(run.work_id, {})[idx] = "source sample not made"
+                continue
+            if source != idx and length > 0:
+                run.targets[pos].payload[:length] = where[source].payload[:length]
+            keep.append(pos)
+            lengths.append(length)
+        if len(keep) < len(run.idxs):
+            run = _keep(run, keep)
+        self._commit(run, lengths, failed)
+
     # ------------------------------------------------------------------ segments
     def _segment(self, name: str, stride: int) -> _Segment:
         segment = self._segments.get(name)
@@ -539,3 +626,23 @@ def _group_by_model(works: list[Message]) -> list[list[Message]]:
         b = work.body
         groups.setdefault((b["run_id"], b["generation"], b["model_id"]), []).append(work)
     return list(groups.values())
+
+
+def _shared_sources(body: dict) -> dict[int, int]:
+    """Copy item -> source item of a fan-out WORK, checked against its item count."""
+    num_items = len(body["items"])
+    if sum(count for _, _, count in body["runs"]) != num_items:
+        raise ProtocolError(f"WORK.runs covers {sum(c for _, _, c in body['runs'])} items, "
+                            f"WORK.items has {num_items}")
+    sources = dict(body.get("copies") or [])
+    for idx, source in sources.items():
+        if not (0 <= idx < num_items and 0 <= source < num_items) or source == idx or source in sources:
+            raise ProtocolError(f"WORK.copies: item {idx} cannot copy item {source}")
+    return sources
+
+
+def _keep(run: _Run, positions: list[int]) -> _Run:
+    """The part of ``run`` at ``positions`` (the rest failed)."""
+    return _Run(run.work_id, run.medium, run.stride, [run.idxs[p] for p in positions],
+                [run.slot_idxs[p] for p in positions], [run.targets[p] for p in positions],
+                None if run.staged is None else [run.staged[p] for p in positions])

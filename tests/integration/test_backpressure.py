@@ -53,12 +53,10 @@ def _flood(endpoints: dict[str, str], round_idx: int) -> dict[str, int]:
     runs, without waiting for answers. Returns the limits named in the refusals."""
     frontend, backend, control = (_dealer(endpoints[n]) for n in ("frontend", "backend", "control"))
     try:
-        slots = [[i, i] for i in range(100)]
-        request = protocol.encode(Command.REQUEST, {
-            "run_id": "default", "peer_id": "flooder", "generation": 0, "medium": "dst_flood_1_1",
-            "stride": 4160, "slots": slots})
-        for i in range(2000):
-            frontend.send_multipart(request)
+        for i in range(2000):  # fresh request ids each time (repeats of queued ones are dropped)
+            frontend.send_multipart(protocol.encode(Command.REQUEST, {
+                "run_id": "default", "peer_id": "flooder", "generation": 0, "medium": "dst_flood_1_1",
+                "stride": 4160, "slots": [[j, i * 100 + j] for j in range(100)]}))
             if i < 1000:
                 protocol.send(control, Command.SET_MODEL, {"run_id": f"run-{round_idx}-{i}", "model_id": "m",
                                                            "leader_epoch": 1, "peer_id": "flooder"})
