@@ -391,9 +391,12 @@ class SlotPool:
     def _on_quarantine(self, rows: list[list[int]], process: str | None) -> None:
         """A worker declared dead may still write these slots: keep them out of use and
         ask for their samples in other slots."""
-        if isinstance(self.medium, TcpMedium) and process_alive(process) is None:
-            # A worker on another machine only reaches our slots through receive(),
-            # which takes data for pending requests only: ask again at once.
+        if process_alive(process) is None:
+            # A process we cannot see (another machine, another pid namespace, or no
+            # token at all) has not mapped our segment: over the network medium it
+            # reaches our slots only through receive(), which takes data for pending
+            # requests only. Ask again at once. (A worker in another pid namespace that
+            # shares our /dev/shm is the one case this does not protect.)
             self._on_discarded(rows)
             return
         taken = 0

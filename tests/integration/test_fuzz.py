@@ -39,10 +39,8 @@ MESSAGES_PER_ROUND = 10_000
 """Per socket and round; two rounds, so 20,000 per broker socket and to the worker."""
 BURST = 250
 """Messages sent before the replies are drained (no waiting for each reply)."""
-MAX_GROWTH_BYTES = 6 * 2**20
-"""RSS the worker may gain between the end of the first and of the second round."""
-BROKER_MAX_GROWTH_BYTES = 16 * 2**20
-"""RSS the broker may gain between the end of its second and fourth round."""
+MAX_GROWTH_BYTES = 16 * 2**20
+"""RSS the broker or the worker may gain between the end of its second and fourth round."""
 SLOT_COUNT = 8
 MARKER_WORK_ID = 2**62 + 12_345
 """Work ids of the test's own WORKs (the fuzzer's are small or at the edges)."""
@@ -95,7 +93,7 @@ def test_broker_survives_fuzzing_on_every_socket(seed, procs, endpoints) -> None
         # Freed memory is not always returned to the OS, so RSS moves by several MiB
         # either way; a leak of even ~250 bytes per message would add 16 MiB over the
         # 60,000 messages of the last two rounds.
-        assert rss[3] - rss[1] < BROKER_MAX_GROWTH_BYTES, f"broker grew {rss} (seed {seed})"
+        assert rss[3] - rss[1] < MAX_GROWTH_BYTES, f"broker grew {rss} (seed {seed})"
         _normal_run(endpoints)
         assert broker.is_alive() and worker.is_alive()
     finally:
@@ -283,7 +281,7 @@ def test_worker_survives_fuzzing_and_writes_only_inside_given_slots(seed, procs,
         try:
             fake.wait_ready()
             rss = []
-            for round_idx in range(2):
+            for round_idx in range(4):  # as for the broker: compare after the warm-up rounds
                 marker = MARKER_WORK_ID + round_idx
                 _fuzz_worker_round(fake, mutator, broadcasts, shm.buf_name, size, config.nbytes(), allowed,
                                    marker)
@@ -293,7 +291,9 @@ def test_worker_survives_fuzzing_and_writes_only_inside_given_slots(seed, procs,
                 mapped = shm_mappings(worker.pid)
                 assert not mapped & set(foreign), f"worker mapped {mapped & set(foreign)} (seed {seed})"
             log.info("worker RSS after each round: %s", rss)
-            assert rss[1] - rss[0] < MAX_GROWTH_BYTES, f"worker grew {rss} (seed {seed})"
+            # Like the broker's, the worker's RSS can jump once by ~10 MiB (a buffer the
+            # allocator keeps); a leak of ~800 bytes per message would add 16 MiB here.
+            assert rss[3] - rss[1] < MAX_GROWTH_BYTES, f"worker grew {rss} (seed {seed})"
             outside = [i for i in range(size) if not allowed[i] and shm.buf[i] != canary[i]]
             assert not outside, f"worker wrote {len(outside)} bytes outside given slots, first at {outside[0]}"
             _worker_normal_run(fake, shm, config.nbytes(), stride)
