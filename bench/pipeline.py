@@ -362,7 +362,7 @@ def bench_pipeline(size: Size, seconds: float, transport: Transport, consumers: 
         workers = []
         for count in (1, 2):
             workers.append(kids.start(run_worker, endpoints, size.sample_bytes, size.worker_batch,
-                                      transport.worker))
+                                      True, transport.worker))
             roles = {"consumer": [os.getpid()], "broker": [transport.broker_pid], "producers": list(workers)}
             for consumer in consumers:
                 slots = size.slot_count if consumer == "client" else 1

@@ -495,7 +495,7 @@ class Broker:
             raise ProtocolError(f"run {run.run_id}: {peer_id} (epoch {epoch}) is not the leader; "
                                 f"{run.leader_id} (epoch {run.leader_epoch}) is")
         if peer_id != run.leader_id and run.leader_id is not None:
-            log.warning("run %s: leader %s (epoch %d) replaces %s (epoch %d)", run.run_id, peer_id,
+            log.info("run %s: leader %s (epoch %d) replaces %s (epoch %d)", run.run_id, peer_id,
                         epoch, run.leader_id, run.leader_epoch)
         run.leader_epoch, run.leader_id = epoch, peer_id
 
