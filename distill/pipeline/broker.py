@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 DEFAULT_RUN = "default"
 MAX_QUEUED_PER_RUN = 1_000_000
 MAX_PURGED_REMEMBERED = 10_000
+RECENTLY_SETTLED = 16_384
+"""Slot requests remembered after they were answered, so that a repeat still on its way
+(sent again by a student that saw us restart) is not filled a second time."""
 MAX_ZOMBIE_WORKS = 10_000
 """In-flight works of purged workers remembered for their late DONE; beyond this the
 oldest are forgotten (their students still free the slots when the process dies)."""
@@ -185,6 +188,8 @@ class Broker:
         """(medium, slot, request id) queued or in flight: a REQUEST that repeats one (a
         student re-asking after our restart, its earlier REQUEST still on the way) is
         dropped, so no slot is ever dispatched twice. Bounded by the queue and credit."""
+        self._recent: deque[tuple[str, int, int]] = deque()
+        self._recent_set: set[tuple[str, int, int]] = set()  # the last RECENTLY_SETTLED of them
         self.instance_id = f"broker-{uuid.uuid4().hex[:12]}"  # changes on restart
         self._next_work_id = 1
         self._rr_runs: deque[str] = deque()
@@ -404,22 +409,29 @@ class Broker:
 
     def _new_requests(self, medium: str, slots: list[list[int]]) -> list[list[int]]:
         """The slots not already outstanding with the same request id; marks them outstanding."""
-        out = self._outstanding
+        out, recent = self._outstanding, self._recent_set
         keys = [(medium, slot, req) for slot, req in slots]
-        if out.isdisjoint(keys):
+        if out.isdisjoint(keys) and recent.isdisjoint(keys):
             out.update(keys)
             return slots
-        fresh = [s for s, key in zip(slots, keys, strict=True) if key not in out]
+        fresh = [s for s, key in zip(slots, keys, strict=True) if key not in out and key not in recent]
         log.info("dropped %d repeated request(s) for slots of %s", len(slots) - len(fresh), medium)
         out.update((medium, slot, req) for slot, req in fresh)
         return fresh
 
-    def _settled(self, requests: Any) -> None:
-        """These slot requests are answered or dropped: a new REQUEST may repeat them."""
-        out = self._outstanding
+    def _settled(self, requests: Any, answered: bool = True) -> None:
+        """These slot requests are answered (remembered for a while: a repeat of one is
+        dropped) or dropped (a student may ask for them again: quarantine, purge)."""
+        out, recent, recent_set = self._outstanding, self._recent, self._recent_set
         for request in requests:
             medium = request.medium
-            out.difference_update([(medium, slot, req) for slot, req in request.slots])
+            keys = [(medium, slot, req) for slot, req in request.slots]
+            out.difference_update(keys)
+            if answered:
+                recent.extend(keys)
+                recent_set.update(keys)
+        while len(recent) > RECENTLY_SETTLED:
+            recent_set.discard(recent.popleft())
 
     def _over_room(self, identity: bytes, run: RunState,
                    slots: list[list[int]]) -> tuple[ProtocolError | None, list[list[int]]]:
@@ -460,7 +472,7 @@ class Broker:
     def _drop_student_requests(self, peer: StudentPeer) -> None:
         run = self._runs.get(peer.run_id)
         if run is not None:
-            self._settled(r for r in run.queue if r.student == peer.identity)
+            self._settled((r for r in run.queue if r.student == peer.identity), answered=False)
             run.queue = deque(r for r in run.queue if r.student != peer.identity)
             run.queued = sum(len(r.slots) for r in run.queue)
         self._queued_by_student.pop(peer.identity, None)
@@ -790,7 +802,7 @@ class Broker:
         """A silent worker may still write its slots: tell their students not to reuse them."""
         live = {s.identity for s in self._students.values()}
         for work in peer.in_flight.values():
-            self._settled(work.requests)
+            self._settled(work.requests, answered=False)
             by_student: dict[bytes, list[list[int]]] = {}
             for request in work.requests:
                 if request.student in live:

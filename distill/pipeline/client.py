@@ -462,6 +462,7 @@ class SlotPool:
                     len(self._pending))
         if self.on_rejoin is not None:
             self.on_rejoin()
+        self._drain()  # answers already here settle their requests: those need no repeat
         # The same request ids: a REQUEST of ours that was still on its way reaches the
         # new broker too, and the broker drops the repeat instead of filling a slot twice.
         self._to_request.extend(self._pending)
