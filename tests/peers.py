@@ -39,6 +39,23 @@ def fill_targets(model_id: str, model_cfg: dict | None, targets: list[SlotTarget
         target.tensors["tag"].copy_(torch.tensor([target.request_id, target.generation]))
 
 
+def consume_verified(client, generation: int, count: int, *, seen: set[int] | None = None,
+                     timeout_ms: float = 30_000, what: str = "no sample") -> set[int]:
+    """Take and release samples until ``count`` distinct request ids were seen, each of
+    ``generation`` and checked byte for byte against its request id; none twice."""
+    seen = set() if seen is None else seen
+    while len(seen) < count:
+        ref = client.request_sample(timeout_ms=timeout_ms)
+        assert ref is not None, f"{what} (after {len(seen)} samples)"
+        assert ref.generation == generation
+        assert torch.equal(ref.tensors["x"], expected_x(ref.request_id, generation)), \
+            f"slot {ref.slot_id} (request {ref.request_id}) holds a torn or foreign sample"
+        assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
+        seen.add(ref.request_id)
+        client.release_slot(ref.slot_id)
+    return seen
+
+
 def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> None:
     setup_logging("WARNING")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -161,14 +161,7 @@ def test_a_student_refused_at_a_limit_backs_off_and_gets_every_sample(procs, end
                        endpoints["control_pub"]) as client:
         client.hello()
         generation = client.set_model("m")
-        seen: set[int] = set()
-        while len(seen) < 40:
-            ref = client.request_sample(timeout_ms=30_000)
-            assert ref is not None, "refused requests were never asked for again"
-            assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
-            assert ref.request_id not in seen
-            seen.add(ref.request_id)
-            client.release_slot(ref.slot_id)
+        peers.consume_verified(client, generation, 40, what="refused requests were never asked for again")
         assert client._pool.counts["refused"] > 0
     assert broker.stats.refused > 0
     broker.stop()

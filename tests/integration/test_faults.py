@@ -26,21 +26,12 @@ def test_worker_killed_mid_batch_its_slots_are_redone(procs, endpoints, broker_k
         client.hello()
         generation = client.set_model("m")
         assert client.request_sample(timeout_ms=100) is None  # all 8 slots are with the frozen worker
-        deadline = time.monotonic() + 60
-        while not busy.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert busy.exists()
+        _wait_for(busy.exists, 60, "the worker to start its batch")
         procs.start(peers.run_worker, endpoints, name="healthy", heartbeat_interval_s=0.2)
         held_by_killed = set(client._pool._pending.values())
         os.kill(frozen.pid, signal.SIGKILL)
-        seen = set()
-        while len(seen) < 50:
-            ref = client.request_sample(timeout_ms=20_000)
-            assert ref is not None, "slots of the killed worker were never redone"
-            assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
-            assert ref.request_id not in seen
-            seen.add(ref.request_id)
-            client.release_slot(ref.slot_id)
+        seen = peers.consume_verified(client, generation, 50, timeout_ms=20_000,
+                                      what="slots of the killed worker were never redone")
         assert held_by_killed <= seen, "requests of the killed worker were lost"
         assert client._pool.counts["quarantined"] == 8
         assert client._pool.counts["released"] == 8  # freed once the process was seen dead
@@ -92,13 +83,8 @@ def test_a_frozen_worker_resumed_late_never_corrupts_a_yielded_sample(procs, end
         seen = {ref.request_id for ref in held}
         for ref in held:
             client.release_slot(ref.slot_id)
-        while len(seen) < 40:
-            ref = client.request_sample(timeout_ms=20_000)
-            assert ref is not None, "slots were never filled again after the zombie came back"
-            verify(ref)
-            assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
-            seen.add(ref.request_id)
-            client.release_slot(ref.slot_id)
+        peers.consume_verified(client, generation, 40, seen=seen, timeout_ms=20_000,
+                               what="slots were never filled again after the zombie came back")
         assert held_by_zombie <= seen, "requests the zombie held were lost"
         assert client._pool.counts["released"] == 8
     stats = broker.stats

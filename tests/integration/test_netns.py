@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from distill.pipeline import Broker, StudentClient
 from tests import peers
@@ -88,14 +87,8 @@ def test_worker_in_another_namespace_fills_slots_over_the_network(namespace: str
                            tcp_host=HOST_IP) as client:
             client.hello()
             generation = client.set_model("m")
-            seen = set()
-            while len(seen) < 200:
-                ref = client.request_sample(timeout_ms=60_000)
-                assert ref is not None, f"no sample from the isolated worker after {len(seen)}"
-                assert ref.generation == generation and ref.request_id not in seen
-                assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
-                seen.add(ref.request_id)
-                client.release_slot(ref.slot_id)
+            peers.consume_verified(client, generation, 200, timeout_ms=60_000,
+                                   what="no sample from the isolated worker")
             assert client._pool.medium.counts["received"] >= 200  # all through the data socket
         assert worker.poll() is None, f"the isolated worker exited with {worker.returncode}"
     finally:

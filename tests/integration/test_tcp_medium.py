@@ -29,20 +29,6 @@ def _wait_for_workers(broker: Broker, count: int, timeout_s: float = 60) -> None
         time.sleep(0.05)
 
 
-def _consume(client: StudentClient, generation: int, count: int) -> set[int]:
-    """``count`` samples, each checked byte for byte against its request id."""
-    seen: set[int] = set()
-    while len(seen) < count:
-        ref = client.request_sample(timeout_ms=30_000)
-        assert ref is not None, f"no sample after {len(seen)}"
-        assert ref.generation == generation
-        assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
-        assert ref.request_id not in seen
-        seen.add(ref.request_id)
-        client.release_slot(ref.slot_id)
-    return seen
-
-
 @pytest.mark.timeout(90)
 def test_a_worker_that_cannot_map_the_segment_sends_every_sample_over_tcp(procs, endpoints,
                                                                          broker_kwargs) -> None:
@@ -51,7 +37,7 @@ def test_a_worker_that_cannot_map_the_segment_sends_every_sample_over_tcp(procs,
     with _client(endpoints) as client:
         client.hello()
         generation = client.set_model("m")
-        _consume(client, generation, 300)
+        peers.consume_verified(client, generation, 300)
         medium = client._pool.medium
         assert parse_medium(medium.buf_name).endpoint.startswith(f"tcp://{LOOPBACK}:")
         assert medium.counts["received"] >= 300  # every sample came through the data socket
@@ -67,7 +53,7 @@ def test_shared_memory_and_tcp_workers_fill_one_student(procs, endpoints, broker
     with _client(endpoints) as client:
         client.hello()
         generation = client.set_model("m")
-        _consume(client, generation, 600)
+        peers.consume_verified(client, generation, 600)
         received, accepted = client._pool.medium.counts["received"], client._pool.counts["accepted"]
     broker.stop()
     assert 0 < received < accepted, f"{received} of {accepted} samples over tcp: both paths must serve"
@@ -118,7 +104,7 @@ def test_forged_and_malformed_data_is_dropped(procs, endpoints, broker_kwargs) -
         ]
         for frames in forged:
             push.send_multipart(frames)
-        _consume(client, generation, 200)
+        peers.consume_verified(client, generation, 200)
         assert medium.counts["dropped"] >= len(forged)
         push.close(linger=0)
     broker.stop()
