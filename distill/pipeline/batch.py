@@ -12,6 +12,7 @@ path workers use to fill shared-memory slots).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ class BatchConfig:
 
         ``rows`` is a uint8 tensor with one encoded sample per row (``[N, >= nbytes()]``,
         rows may be strided, e.g. the payloads of shared-memory slots); ``out`` holds
-        contiguous batch tensors ``[B, *shape]``. One ``index_select`` per tensor.
+        contiguous batch tensors ``[B, *shape]``. One :func:`copy_rows` per tensor.
         """
         count = len(index)
         for spec in self.specs:
@@ -162,8 +163,7 @@ class BatchConfig:
             target = out[spec.name][start:start + count]
             if not target.is_contiguous() or target.dtype != spec.torch_dtype:
                 raise ValueError(f"gather: out[{spec.name!r}] must be a contiguous {spec.dtype} batch")
-            torch.index_select(rows[:, offset:offset + spec.nbytes], 0, index,
-                               out=target.view(torch.uint8).view(count, spec.nbytes))
+            copy_rows(rows[:, offset:offset + spec.nbytes], index, target.view(torch.uint8).view(count, spec.nbytes))
 
     def decode_single(self, data: Buffer, name: str) -> torch.Tensor:
         """A view of one tensor in ``data``."""
@@ -186,6 +186,39 @@ class BatchConfig:
 
     def __repr__(self) -> str:
         return f"BatchConfig({self.specs!r})"
+
+
+LARGE_ROW_BYTES = 1 << 20
+"""Rows of at least this many bytes are copied one ``memmove`` each (see :func:`copy_rows`)."""
+
+
+def copy_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[i] = src[index[i]]`` for uint8 CPU matrices: the student's one copy per sample.
+
+    Large rows (>= ``LARGE_ROW_BYTES``) go through the C library's ``memmove``: on the
+    x86 machines we measured, it copies a 4 MiB row about 10% faster than torch's
+    vectorized loop alone and about 13% faster while teacher workers write into other
+    slots at the same time (``bench/pipeline.py``), because it moves the bytes with
+    ``rep movsb``. Smaller rows, and anything that is not a plain CPU byte matrix, take
+    one ``index_select`` (a Python call per row would cost more than it saves).
+    """
+    count, width = dst.shape
+    if width < LARGE_ROW_BYTES or not _memmove_ok(src, dst):
+        torch.index_select(src, 0, index, out=dst)
+        return
+    rows = index.tolist()
+    if rows and (min(rows) < 0 or max(rows) >= src.shape[0]):
+        raise IndexError(f"row index outside [0, {src.shape[0]}): {rows}")
+    src_ptr, src_stride, dst_ptr = src.data_ptr(), src.stride(0), dst.data_ptr()
+    for i, row in enumerate(rows):
+        ctypes.memmove(dst_ptr + i * width, src_ptr + row * src_stride, width)
+
+
+def _memmove_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Both byte matrices on the CPU, rows of equal width, each row contiguous in memory."""
+    return (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype == torch.uint8
+            and src.dim() == dst.dim() == 2 and src.shape[1] == dst.shape[1] and src.stride(1) == 1
+            and dst.is_contiguous())
 
 
 def _as_spec(spec: TensorSpec | Mapping[str, Any]) -> TensorSpec:

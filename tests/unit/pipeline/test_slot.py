@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from distill.pipeline import BatchConfig, TensorSpec
+from distill.pipeline.batch import LARGE_ROW_BYTES, copy_rows
 from distill.pipeline.slot import (
     HEADER_BYTES,
     SlotHeader,
@@ -117,3 +119,28 @@ def test_gather_matches_per_sample_copies() -> None:
             assert torch.equal(out[name][2 + i], samples[slot][name])
     assert not out["b"][:2].any()
     assert np.all(np.asarray(out["b"][:2]) == 0)
+
+
+def test_gather_of_large_rows_uses_exact_bounds() -> None:
+    """Rows of >= LARGE_ROW_BYTES take the memmove path: same bytes as index_select, the
+    rows around the copied ones untouched, and an index outside the slots refused."""
+    width = LARGE_ROW_BYTES + 192  # not a multiple of anything convenient
+    stride = slot_stride(width)
+    buf = torch.randint(0, 256, (6 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    rows = buf.view(6, stride)[:, HEADER_BYTES:HEADER_BYTES + width]
+    out = torch.full((5, width), 7, dtype=torch.uint8)
+    copy_rows(rows, torch.tensor([4, 0, 5]), out[1:4])
+    assert torch.equal(out[1:4], torch.index_select(rows, 0, torch.tensor([4, 0, 5])))
+    assert bool((out[0] == 7).all()) and bool((out[4] == 7).all())
+    with pytest.raises(IndexError, match="outside"):
+        copy_rows(rows, torch.tensor([6]), out[:1])
+    with pytest.raises(IndexError, match="outside"):
+        copy_rows(rows, torch.tensor([-1]), out[:1])
+
+
+def test_gather_falls_back_to_index_select_for_strided_targets() -> None:
+    """A target that is not one contiguous block is never written through raw pointers."""
+    rows = torch.arange(3 * LARGE_ROW_BYTES, dtype=torch.int32).to(torch.uint8).view(3, LARGE_ROW_BYTES)
+    out = torch.zeros((LARGE_ROW_BYTES, 2), dtype=torch.uint8).t()  # [2, width], column-major
+    copy_rows(rows, torch.tensor([2, 1]), out)
+    assert torch.equal(out, rows[[2, 1]])
