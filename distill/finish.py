@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,7 @@ def finish_run(ctx: StudentContext) -> None:
     from distill.e2e_stage import e2e_finished, load_e2e_student, student_score
     from distill.evaluate import evaluate
     from distill.replacements import describe
-    from distill.report import read_metrics, write_report
+    from distill.report import write_report
     from distill.sources import load_tokenizer, teacher_source
     from distill.student import build_replacement
 
@@ -74,7 +75,7 @@ def finish_run(ctx: StudentContext) -> None:
             result.student = student_score(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
         ctx.timings["evaluate_s"] = time.monotonic() - started
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
-    metrics = read_metrics(str(ctx.out_dir / "metrics.jsonl"))
+    metrics = _run_metrics(str(ctx.out_dir / "metrics.jsonl"))
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
                           ctx.timings)
     (ctx.out_dir / "result.json").write_text(json.dumps({
@@ -82,6 +83,18 @@ def finish_run(ctx: StudentContext) -> None:
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
         "final_val": _final_val(metrics)}, indent=2, default=str))
     log.info("report written to %s", report)
+
+
+def _run_metrics(path: str) -> list[dict]:
+    """This run's metrics; none when every stage came finished from its checkpoint (a
+    rerun of a completed command trains nothing, so it logs no step)."""
+    from distill.report import read_metrics
+
+    if not os.path.exists(path):
+        log.info("no stage was trained in this run (all restored from checkpoints): the report has "
+                 "no training curves; they are in the run that trained them")
+        return []
+    return read_metrics(path)
 
 
 def _final_val(metrics: list[dict]) -> dict[str, float]:

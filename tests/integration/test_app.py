@@ -139,6 +139,14 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     assert set(result["eval"]["per_layer"]) == {"0", "1"}
     _check_data_supply_and_time_split(tmp_path / "run", log)
 
+    # The same command again: every stage comes finished from its checkpoint, nothing is
+    # trained (so no metrics.jsonl), and the run still exports, evaluates and reports.
+    again = _run(overrides, tmp_path / "again", tmp_path)
+    assert "no stage was trained in this run" in again.stdout + again.stderr
+    assert (tmp_path / "again" / "report.md").exists()
+    assert json.loads((tmp_path / "again" / "result.json").read_text())["eval"]["kind"] == "encoder"
+    _wait_gone("e2ebert")
+
 
 def _check_data_supply_and_time_split(run: Path, log: str) -> None:
     """Each stage reports how well the teachers fed it (and says so when they did not);
