@@ -20,9 +20,12 @@ into its destination. This prints, in one run:
    training layer l alone, l = 0..L-1, relative to a full forward of all L layers
    (the base model, no lm_head); expected (l+1)/L since capture stops after layer l.
 3. ``layers_per_stage``: with k = 1, 2, 4 layers per stage, bare loop time per
-   trained layer (all stages of ``plan_stages``, summed, over L) relative to k=1.
-   With truncation the model is (L/k+1)/(L+1), not 1/k: stage i of k layers runs
-   (i+1)*k layers, so the savings come from fewer, not cheaper, passes.
+   trained layer (all stages of ``plan_stages``, summed, over L) relative to k=1,
+   on a deeper teacher of the same width (16 layers, ``--stage-layers``): what k
+   saves depends on depth. With truncation the model is (L/k+1)/(L+1): stage i of
+   k layers runs (i+1)*k layers, so the savings come from fewer, not cheaper,
+   passes, and approach 1/k as L grows (L=4: 0.60 and 0.40; L=16: 0.53 and 0.29;
+   L=32: 0.52 and 0.27).
 
 Fairness: every process runs torch with 1 thread (the worker and the bare loop
 each use one of the 2 cores; the broker and the student share the other), the
@@ -72,15 +75,18 @@ DTYPE = "float32"
 BATCH_SIZES = (4, 8, 16)
 SUB_WINDOWS = 6
 DEFAULT_SECONDS, QUICK_SECONDS = 5.0, 1.0
+STAGE_LAYERS = 16
+"""Depth of table 3's teacher: what k saves depends on depth, (L/k+1)/(L+1) -> 1/k."""
+MIN_STAGE_SECONDS = 0.6
 FIRST_BATCH_TIMEOUT_S = 120.0
 
 
 # --------------------------------------------------------------------------- the teacher
-def build_teacher() -> tuple[Teacher, torch.Tensor]:
+def build_teacher(layers: int = LAYERS) -> tuple[Teacher, torch.Tensor]:
     """The seeded random Llama teacher and its train chunks (identical in every process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=layers,
                          num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB,
                          max_position_embeddings=SEQ_LEN, attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
@@ -233,7 +239,7 @@ def table_stages(teacher: Teacher, train_NT: torch.Tensor, batch_size: int, seco
         s_per_sample = 0.0
         for stage in stages:
             rate = measure(BareLoop(TeacherTargets(teacher, train_NT, SEED), stage, batch_size),
-                           seconds / len(stages) * (1 + (k > 1)), f"bare loop k={k} {stage.model_id}")
+                           max(MIN_STAGE_SECONDS, 2 * seconds / len(stages)), f"bare loop k={k} {stage.model_id}")
             s_per_sample += 1 / rate
         rows.append((k, len(stages), s_per_sample / teacher.num_layers))
     return rows
@@ -258,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer", type=int, default=0, help="the target layer of table 1 (default 0)")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
                         help="comma-separated worker batch sizes of table 1")
+    parser.add_argument("--stage-layers", type=int, default=STAGE_LAYERS,
+                        help=f"layers of table 3's teacher (default {STAGE_LAYERS}; tables 1-2 use {LAYERS})")
     args = parser.parse_args(argv)
     seconds = args.seconds or (QUICK_SECONDS if args.quick else DEFAULT_SECONDS)
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
@@ -271,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         piped = table_pipeline(teacher, train_NT, args.layer, batch_sizes, seconds)
         best_batch = max(piped, key=lambda r: r[1])[0]
         full, layers = table_layers(teacher, train_NT, best_batch, seconds / 2)
-        stages = table_stages(teacher, train_NT, best_batch, seconds, (1, 2, 4))
+        deep, deep_NT = build_teacher(args.stage_layers)
+        stages = table_stages(deep, deep_NT, best_batch, seconds, (1, 2, 4))
     except KeyboardInterrupt:
         print("\ninterrupted: children stopped, shared memory released", file=sys.stderr)
         return 130
@@ -301,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layer:>3} {1e3 / capture:>18.2f} {full / capture:>8.2f} {(layer + 1) / L:>8.2f} "
               f"{1e3 / bare:>20.2f}")
 
-    print(f"\n3) layers_per_stage=k (bare loop, B={best_batch}, all stages of plan_stages): teacher time "
-          f"per sample per trained layer")
+    L = args.stage_layers
+    print(f"\n3) layers_per_stage=k ({L}-layer teacher, same width; bare loop, B={best_batch}, all stages of "
+          f"plan_stages): teacher time per sample per trained layer")
     print(f"{'k':>3} {'stages':>7} {'ms/sample/layer':>16} {'vs k=1':>7} {'1/k':>6} {'(L/k+1)/(L+1)':>14}")
     base = stages[0][2]
     for k, count, per_layer in stages:
