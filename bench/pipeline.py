@@ -6,6 +6,10 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
 - ``cold memcpy``: one thread copies batches out of a 1 GiB source ring (far larger
   than the CPU caches) into the batch tensor, with torch's ``copy_`` and with the C
   library's ``memmove``; the faster is kept. The physical limit of one consumer.
+- ``memcpy + filler``: the cold memcpy while 1 other process does nothing but
+  ``fill_sample`` into its own ring of the pipeline's footprint (``slot_count``
+  samples), as fast as it can: what a producer writing memory at the same time costs
+  the consumer's copy, with no handoff at all.
 - ``shm handoff``: the least any shared-memory transport can do. Each of 1 or 2
   producer processes fills the slots of its own ring in shared memory and sets a
   per-slot flag; the consumer polls the flags (yielding the CPU while it waits) and
@@ -214,6 +218,17 @@ def run_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: 
     worker.run()
 
 
+def run_filler(parent_pid: int, ready, sample_bytes: int, slots: int) -> None:
+    """``memcpy + filler``: fill the samples of a private ring, in turn, forever."""
+    child_init(parent_pid)
+    ring = torch.empty((slots, sample_bytes), dtype=torch.uint8)
+    ready.set()
+    counter = 0
+    while True:
+        fill_sample(ring[counter % slots], counter)
+        counter += 1
+
+
 def run_handoff_producer(parent_pid: int, ready, ring: torch.Tensor, flags: torch.Tensor) -> None:
     """Ideal handoff: fill the next slot of ``ring`` once the consumer has cleared its flag."""
     child_init(parent_pid)
@@ -315,6 +330,24 @@ def bench_memcpy(size: Size, seconds: float, ring: torch.Tensor) -> Result:
     best = max(cells, key=lambda r: r.rate)
     best.method = "cold memcpy"
     return best
+
+
+def bench_filler(size: Size, seconds: float, ring: torch.Tensor) -> Result:
+    """The cold memcpy (the student's copy: ``copy_rows``) beside a process that only fills memory."""
+    source = ring.view(-1, size.sample_bytes)
+    num_batches = source.shape[0] // size.batch_size
+    batch, position = _batch(size), 0
+
+    def step() -> int:
+        nonlocal position
+        first = position * size.batch_size
+        copy_rows(source, torch.arange(first, first + size.batch_size), batch)
+        position = (position + 1) % num_batches
+        return size.batch_size
+
+    with Children() as kids:
+        filler = kids.start(run_filler, size.sample_bytes, size.slot_count)
+        return measure(size, "memcpy + filler", 1, step, seconds, {"consumer": [os.getpid()], "producers": [filler]})
 
 
 def bench_handoff(size: Size, seconds: float) -> Iterator[Result]:
@@ -676,6 +709,8 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                 cells: list[Result] = []
                 if ring is not None:  # the reference: its faster half, before or after the others
                     cells.append(bench_memcpy(size, seconds / 2, ring))
+                if "filler" in methods and ring is not None:
+                    cells.append(bench_filler(size, seconds, ring))
                 if "handoff" in methods:
                     cells += bench_handoff(size, seconds)
                 if "queue" in methods:
@@ -706,9 +741,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=None,
                         help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
-    parser.add_argument("--methods", default="memcpy,handoff,queue,dataloader,dataset,client,zmq,tcp",
-                        help="comma-separated subset of: memcpy, handoff, queue, dataloader, dataset, "
-                             "client, zmq, tcp")
+    parser.add_argument("--methods", default="memcpy,filler,handoff,queue,dataloader,dataset,client,zmq,tcp",
+                        help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, queue, "
+                             "dataloader, dataset, client, zmq, tcp")
     parser.add_argument("--auth", action="store_true",
                         help="also run the pipeline over TCP loopback, without and with CurveZMQ")
     return parser.parse_args(argv)

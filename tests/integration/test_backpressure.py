@@ -126,14 +126,15 @@ def test_a_student_that_stops_consuming_cannot_grow_the_broker(procs, endpoints)
         client.hello()
         generation = client.set_model("m")
         assert client.request_sample(timeout_ms=30_000) is not None  # asked for all 16 slots; stops here
-        stuck = _dealer(endpoints["frontend"])  # never reads, and asks for its 16 slots again and again
-        request = protocol.encode(Command.REQUEST, {
-            "run_id": "default", "peer_id": "stuck", "generation": generation, "medium": shm.buf_name,
-            "stride": stride, "slots": [[i, i] for i in range(16)]})
+        # Never reads, and asks for its 16 slots again and again, each time under new request
+        # ids (a repeat of the same ids would be dropped as a duplicate, not refused).
+        stuck = _dealer(endpoints["frontend"])
         try:
             samples, rss = [], []
             for i in range(3000):
-                stuck.send_multipart(request)
+                stuck.send_multipart(protocol.encode(Command.REQUEST, {
+                    "run_id": "default", "peer_id": "stuck", "generation": generation, "medium": shm.buf_name,
+                    "stride": stride, "slots": [[slot, 16 * i + slot] for slot in range(16)]}))
                 if i % 300 == 299:
                     time.sleep(0.05)
                     stats = fetch_stats(endpoints["frontend"])
