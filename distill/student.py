@@ -53,7 +53,7 @@ from distill.stages import (
 )
 from distill.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.teacher import Teacher
-from distill.transfer import DevicePrefetcher
+from distill.transfer import BackgroundBatches, DevicePrefetcher
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ class StageTrainer:
         self.scfg = with_budget(ctx.cfg.student, ctx.world_size, ctx.cfg.data.seq_len)
         self.start_step = 0
         self._loader_iter = None
+        self._background: BackgroundBatches | None = None
         self.closed_loop: ClosedLoopInputs | None = None
         self.patience = Patience(self.scfg.patience, self.scfg.min_delta)
 
@@ -215,6 +216,12 @@ class StageTrainer:
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
             heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, medium=ctx.cfg.pipeline.medium,
             tcp_host=ctx.cfg.pipeline.tcp_host, curve=curve_config(ctx.cfg), pin_memory=cuda and workers == 0)
+        if workers == 0 and self.scfg.prefetch_batches > 0:
+            self.loader = None  # the dataset's own iterator, in a thread that gathers ahead
+            self._background = BackgroundBatches(dataset.__iter__, self.scfg.prefetch_batches,
+                                                 name=f"batches-stage{self.stage.index}")
+            self._loader_iter = DevicePrefetcher(self._background, ctx.device)
+            return
         self.loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                                  pin_memory=cuda and workers > 0,
                                  prefetch_factor=2 if workers else None,
@@ -379,6 +386,9 @@ class StageTrainer:
         _barrier(self.ctx)
 
     def cleanup(self) -> None:
+        if self._background is not None:
+            self._background.close()  # its thread closes the dataset: the pool unlinks
+            self._background = None
         self._loader_iter = None  # shuts DataLoader workers down; their pools unlink
         self.loader = None
 

@@ -17,13 +17,20 @@ synchronous copies on CPU so callers need no device branches.
   trains on batch n, batch n+1 (already in pinned memory) is copied host-to-device
   with ``non_blocking=True`` on a side stream; ``__next__`` makes the compute
   stream wait for that copy's event only.
+- :class:`BackgroundBatches` (student, slots gathered in the training process):
+  runs the batch iterator in a thread a few batches ahead, so waiting for the
+  broker's answers and the copy out of the slots happen while the step computes
+  (torch releases the GIL in its kernels) instead of between steps.
 
 Shape legend: B batch, P boundary positions, T tokens, D hidden size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -165,3 +172,88 @@ class DevicePrefetcher:
         self._warned_pageable = True
         log.warning("student batches are in pageable memory: host-to-device copies will not overlap "
                     "compute (use DistillIterableDataset(pin_memory=True) or DataLoader(pin_memory=True))")
+
+
+class _Raised:
+    """What the producing thread hands over when the iterator raised."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+"""The producing thread's last item: the iterator is exhausted."""
+POLL_S = 0.1
+"""How often a blocked producer looks whether it was told to stop."""
+
+
+class BackgroundBatches:
+    """``make_batches()`` iterated in a daemon thread, up to ``depth`` batches ahead.
+
+    The iterator is created, advanced and closed in that thread only (the pipeline's
+    sockets must stay in the thread that made them). An exception it raises comes out
+    of ``__next__`` in the caller; ``close`` stops the thread, which closes the
+    iterator (a ``DistillIterableDataset`` then releases its slots and segment).
+    """
+
+    def __init__(self, make_batches: Callable[[], Iterator[Batch]], depth: int = 2, name: str = "batches") -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1 batch ahead, got {depth}")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._produce, args=(make_batches,), name=name, daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> BackgroundBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END or isinstance(item, _Raised):
+            self._done = True
+            self._thread.join()
+            if item is _END:
+                raise StopIteration
+            raise item.error
+        return item
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread and wait (bounded) until it has closed the iterator."""
+        self._stop.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get_nowait()  # a producer blocked on a full queue sees the stop
+            self._thread.join(POLL_S)
+            timeout_s -= POLL_S
+            if timeout_s <= 0:
+                log.warning("%s: the batch thread did not stop in time; leaving it (daemon)", self._thread.name)
+                break
+        self._done = True
+
+    def _produce(self, make_batches: Callable[[], Iterator[Batch]]) -> None:
+        batches = None
+        try:
+            batches = make_batches()
+            for batch in batches:
+                if not self._put(batch):
+                    return
+            self._put(_END)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            self._put(_Raised(error))
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    def _put(self, item: object) -> bool:
+        """Hand ``item`` over, waiting for room; False once told to stop."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False

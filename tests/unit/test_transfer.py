@@ -7,11 +7,13 @@ against the same reference.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from distill.pipeline import BatchConfig, DistillIterableDataset, TensorSpec
-from distill.transfer import DevicePrefetcher, DeviceToSlots
+from distill.transfer import BackgroundBatches, DevicePrefetcher, DeviceToSlots
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -71,3 +73,60 @@ def test_pinned_batches_without_cuda_name_the_setting() -> None:
     with pytest.raises(ValueError, match="reuse_batches"):
         DistillIterableDataset(0, None, 8, config, "ipc:///nonexistent", batch_size=4, pin_memory=True,
                                reuse_batches=True)
+
+
+class _Source:
+    """A batch generator that records which thread made, advanced and closed it."""
+
+    def __init__(self, count: int, fail_at: int | None = None) -> None:
+        self.count, self.fail_at = count, fail_at
+        self.threads: dict[str, set[str]] = {"made": set(), "advanced": set(), "closed": set()}
+        self.produced = 0
+
+    def __call__(self):
+        self.threads["made"].add(threading.current_thread().name)
+        return self._batches()
+
+    def _batches(self):
+        try:
+            for i in range(self.count):
+                self.threads["advanced"].add(threading.current_thread().name)
+                if i == self.fail_at:
+                    raise TimeoutError("no sample for 5s")
+                self.produced += 1
+                yield {"x": torch.full((2,), i)}
+        finally:
+            self.threads["closed"].add(threading.current_thread().name)
+
+
+def test_background_batches_in_order_then_stop_all_in_its_thread() -> None:
+    source = _Source(5)
+    batches = BackgroundBatches(source, depth=2, name="bg-test")
+    assert [int(b["x"][0]) for b in batches] == [0, 1, 2, 3, 4]
+    with pytest.raises(StopIteration):
+        next(batches)
+    assert source.threads == {"made": {"bg-test"}, "advanced": {"bg-test"}, "closed": {"bg-test"}}
+
+
+def test_background_batches_hand_the_iterators_error_to_the_caller() -> None:
+    batches = BackgroundBatches(_Source(5, fail_at=2), depth=1)
+    assert int(next(batches)["x"][0]) == 0
+    assert int(next(batches)["x"][0]) == 1
+    with pytest.raises(TimeoutError, match="no sample"):
+        next(batches)
+
+
+def test_background_batches_close_stops_a_blocked_producer_and_closes_the_iterator() -> None:
+    source = _Source(10_000)
+    batches = BackgroundBatches(source, depth=2, name="bg-close")
+    next(batches)
+    batches.close(timeout_s=10)
+    assert source.threads["closed"] == {"bg-close"}
+    assert source.produced <= 1 + 2 + 1  # taken, queued, and the one it was handing over
+    with pytest.raises(StopIteration):
+        next(batches)
+
+
+def test_background_batches_refuse_no_lookahead() -> None:
+    with pytest.raises(ValueError, match="depth"):
+        BackgroundBatches(lambda: iter([]), depth=0)
