@@ -289,7 +289,8 @@ class StageTrainer:
         val = self.validate(steps_done)
         timings = self.ctx.timings
         timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
-        timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s + startup_wait_s
+        timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s
+        timings["student_startup_wait_s"] = timings.get("student_startup_wait_s", 0.0) + startup_wait_s
         self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "layers": list(self.stage.layers),
                               "steps": steps_done, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
                               "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},

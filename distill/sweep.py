@@ -55,7 +55,7 @@ def _tokens_per_s(result: dict, metrics_path: Path) -> float | None:
     """Training tokens per second of the job: its stages' tokens (metrics.jsonl) over the
     time its ranks spent waiting for and training on them (result.json timings)."""
     timings = result.get("timings") or {}
-    seconds = timings.get("student_wait_s", 0.0) + timings.get("student_step_s", 0.0)
+    seconds = sum(timings.get(key, 0.0) for key in ("student_compute_s", "student_wait_s", "student_startup_wait_s"))
     if not seconds or not metrics_path.exists():
         return None
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]

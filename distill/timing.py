@@ -139,11 +139,13 @@ def time_split(wall_s: float, student: dict[str, float], teachers: list[dict[str
     if broker_cpu_s is not None:
         rows.append(("transport: broker CPU", broker_cpu_s))
     compute_s, wait_s = student.get("student_compute_s", 0.0), student.get("student_wait_s", 0.0)
+    startup_s = student.get("student_startup_wait_s", 0.0)
     rows += [
         ("student compute", compute_s),
         ("student waiting for data", wait_s),
+        ("student waiting for each stage's first batch (teachers starting or switching layers)", startup_s),
         ("student other (setup, validation, checkpoints, export, evaluation)",
-         max(wall_s - compute_s - wait_s, 0.0)),
+         max(wall_s - compute_s - wait_s - startup_s, 0.0)),
     ]
     return rows
 

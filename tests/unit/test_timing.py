@@ -53,10 +53,13 @@ def test_teacher_counters_reach_the_run_dir(tmp_path: Path) -> None:
 
 def test_time_split_student_lane_adds_up_to_the_wall_time() -> None:
     teachers = [{"teacher_s": 30.0, "copy_s": 2.0}, {"teacher_s": 20.0, "copy_s": 4.0}]
-    rows = dict(time_split(100.0, {"student_compute_s": 50.0, "student_wait_s": 10.0}, teachers, 5.0))
+    rows = dict(time_split(100.0, {"student_compute_s": 50.0, "student_wait_s": 10.0,
+                                   "student_startup_wait_s": 4.0}, teachers, 5.0))
     assert rows["teacher forward (mean per worker)"] == 25.0
     assert rows["transport: slot writes (mean per worker)"] == 3.0
     assert rows["transport: broker CPU"] == 5.0
     assert sum(v for k, v in rows.items() if k.startswith("student")) == pytest.approx(100.0)
     table = format_time_split(list(rows.items()), 100.0, num_workers=2)
     assert "| student waiting for data | 10.0 | 10% |" in table
+    assert rows["student waiting for each stage's first batch (teachers starting or switching layers)"] == 4.0
+    assert rows["student other (setup, validation, checkpoints, export, evaluation)"] == 36.0
