@@ -411,15 +411,20 @@ def bench_queue(size: Size, seconds: float) -> Iterator[Result]:
         return size.batch_size
 
     try:
-        with Children() as kids:
-            producers = []
-            for count in (1, 2):
-                producers.append(kids.start(run_queue_producer, samples, size.sample_bytes))
-                roles = {"consumer": [os.getpid()], "producers": list(producers)}
-                yield measure(size, "mp.Queue", count, step, seconds, roles)
+        yield from _producer_cells(size, seconds, "mp.Queue", step, run_queue_producer, samples, size.sample_bytes)
     finally:
         samples.cancel_join_thread()
         samples.close()
+
+
+def _producer_cells(size: Size, seconds: float, method: str, step: Callable[[], int], target: Callable,
+                    *args: object) -> Iterator[Result]:
+    """The consumer's ``step`` measured with 1, then 2 producer processes ``target(*args)``."""
+    with Children() as kids:
+        producers: list[int] = []
+        for count in (1, 2):
+            producers.append(kids.start(target, *args))
+            yield measure(size, method, count, step, seconds, {"consumer": [os.getpid()], "producers": list(producers)})
 
 
 def bench_dataloader(size: Size, seconds: float, num_workers: int = 2) -> Iterator[Result]:
@@ -541,12 +546,7 @@ def bench_zmq(size: Size, seconds: float) -> Iterator[Result]:
         return size.batch_size
 
     try:
-        with Children() as kids:
-            pushers = []
-            for count in (1, 2):
-                pushers.append(kids.start(run_zmq_pusher, endpoint, size.sample_bytes))
-                roles = {"consumer": [os.getpid()], "producers": list(pushers)}
-                yield measure(size, "bare zmq", count, step, seconds, roles)
+        yield from _producer_cells(size, seconds, "bare zmq", step, run_zmq_pusher, endpoint, size.sample_bytes)
     finally:
         pull.close(linger=0)
 
