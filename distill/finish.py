@@ -23,11 +23,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FINGERPRINT_KEYS = ("teacher", "replacement", "data", "student")
+UNFINGERPRINTED_STUDENT_KEYS = ("loader_workers", "prefetch_batches", "log_every_steps", "checkpoint_every_steps")
+"""How batches are fetched and how often progress is logged or saved: changing them
+must resume a run, not start a new one (they do not decide the trained weights)."""
 
 
 def config_fingerprint(cfg: DictConfig, teacher_source: str) -> str:
     """``<replacement>-<hash>`` of the settings that decide the trained weights."""
     keep = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FINGERPRINT_KEYS}
+    for key in UNFINGERPRINTED_STUDENT_KEYS:
+        keep["student"].pop(key, None)
     keep["teacher_source"] = teacher_source
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
     target = str(cfg.replacement.get("_target_", "replacement")).rsplit(".", 1)[-1]

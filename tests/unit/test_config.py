@@ -91,3 +91,15 @@ def test_auth_settings_are_checked_per_mode(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"pipeline\.auth_client='w9'.*w9\.key_secret does not exist"):
         check_config(_compose(["mode=student", keys, "pipeline.auth_client=w9"]))
     check_config(_compose(["mode=broker", keys, "pipeline.auth_client=w9"]))  # the broker needs no client key
+
+
+def test_checkpoint_fingerprint_ignores_how_batches_are_fetched_and_logged() -> None:
+    """A rerun with other loader/logging settings resumes; other weights start afresh."""
+    from distill.finish import config_fingerprint
+
+    base = config_fingerprint(_compose([]), "tiny")
+    same = ["student.loader_workers=2", "student.prefetch_batches=0", "student.log_every_steps=1",
+            "student.checkpoint_every_steps=7"]
+    assert config_fingerprint(_compose(same), "tiny") == base
+    assert config_fingerprint(_compose(["student.lr=0.01"]), "tiny") != base
+    assert config_fingerprint(_compose([]), "other teacher") != base
