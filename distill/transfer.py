@@ -154,7 +154,8 @@ class DevicePrefetcher:
         for tensor in batch.values():
             tensor.record_stream(compute)  # freed memory waits for compute, not just the copy
         self._next = None
-        self._next = self._load()  # the next copy runs while the caller computes on this batch
+        with contextlib.suppress(StopIteration):  # this batch is the last: the next call ends it
+            self._next = self._load()  # the next copy runs while the caller computes on this batch
         return batch
 
     def _load(self) -> tuple[Batch, torch.cuda.Event]:

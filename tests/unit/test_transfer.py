@@ -130,3 +130,25 @@ def test_background_batches_close_stops_a_blocked_producer_and_closes_the_iterat
 def test_background_batches_refuse_no_lookahead() -> None:
     with pytest.raises(ValueError, match="depth"):
         BackgroundBatches(lambda: iter([]), depth=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_background_batches_feed_the_device_prefetcher(device: str) -> None:
+    """The student's path with loader_workers=0: host batches made in the gathering
+    thread (pinned there on CUDA), copied to the device on the prefetcher's side stream."""
+    cuda = device == "cuda"
+
+    def host_batches():
+        for i in range(6):
+            yield {"x": torch.full((4, 16), float(i), pin_memory=cuda), "ids": torch.arange(4) + 10 * i}
+
+    background = BackgroundBatches(host_batches, depth=2)
+    try:
+        got = list(DevicePrefetcher(background, device))
+    finally:
+        background.close()
+    assert len(got) == 6
+    for i, batch in enumerate(got):
+        assert batch["x"].device.type == device
+        torch.testing.assert_close(batch["x"].cpu(), torch.full((4, 16), float(i)))
+        torch.testing.assert_close(batch["ids"].cpu(), torch.arange(4) + 10 * i)
