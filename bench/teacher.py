@@ -38,6 +38,7 @@ Run it from the repository root::
 
     python bench/teacher.py            # full tables, about 2-3 minutes
     python bench/teacher.py --quick    # smoke run, well under a minute
+    python bench/teacher.py --device cuda   # teachers on a GPU (the worker's pinned, side-stream copies)
 
 Ctrl-C stops it cleanly: child processes are stopped, this run's /dev/shm/dst_*
 segments unlinked, IPC sockets removed.
@@ -82,7 +83,7 @@ FIRST_BATCH_TIMEOUT_S = 120.0
 
 
 # --------------------------------------------------------------------------- the teacher
-def build_teacher(layers: int = LAYERS) -> tuple[Teacher, torch.Tensor]:
+def build_teacher(layers: int = LAYERS, device: str = "cpu") -> tuple[Teacher, torch.Tensor]:
     """The seeded random Llama teacher and its train chunks (identical in every process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,7 +94,7 @@ def build_teacher(layers: int = LAYERS) -> tuple[Teacher, torch.Tensor]:
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(config)
         train_NT = torch.randint(0, VOCAB, (TRAIN_CHUNKS, SEQ_LEN), dtype=torch.int64)
-    return Teacher(model, "cpu"), train_NT
+    return Teacher(model, device), train_NT
 
 
 @dataclass
@@ -112,12 +113,16 @@ class BareLoop:
         self.input_ids_BT = torch.empty((batch_size, SEQ_LEN), dtype=torch.int64)
         self.hidden_BPTD = torch.empty((batch_size, len(stage.positions), SEQ_LEN, HIDDEN))
         self.next_id = 0
+        self._unfinished: Callable[[], None] | None = None
 
     def __call__(self) -> int:
         targets = [_Target(self.next_id + i, {"input_ids": self.input_ids_BT[i], "hidden": self.hidden_BPTD[i]})
                    for i in range(self.batch_size)]
         self.next_id += self.batch_size
-        self.fn(self.stage.model_id, self.stage.model_cfg, targets)
+        finish = self.fn(self.stage.model_id, self.stage.model_cfg, targets)
+        if self._unfinished is not None:  # on CUDA, like the Worker: the previous batch's copies
+            self._unfinished()            # complete after this batch's forward was launched
+        self._unfinished = finish
         return self.batch_size
 
 
@@ -129,12 +134,14 @@ def capture_step(teacher: Teacher, train_NT: torch.Tensor, layers: list[int] | N
     def step() -> int:
         row = state["row"]
         state["row"] = (row + batch_size) % (len(train_NT) - batch_size)
-        input_ids_BT = train_NT[row:row + batch_size]
+        input_ids_BT = train_NT[row:row + batch_size].to(teacher.device)
         if layers is None:
             with torch.no_grad():
                 teacher.model.base_model(input_ids=input_ids_BT, use_cache=False)
         else:
             teacher.capture(input_ids_BT, layers)
+        if teacher.device.type == "cuda":
+            torch.cuda.synchronize(teacher.device)  # time the work, not its launch
         return batch_size
 
     return step
@@ -163,9 +170,10 @@ def measure(step: Callable[[], int], seconds: float, label: str) -> float:
 
 
 # --------------------------------------------------------------------------- child processes
-def run_worker(parent_pid: int, ready, endpoints: dict[str, str], num_positions: int, max_batch: int) -> None:
+def run_worker(parent_pid: int, ready, endpoints: dict[str, str], num_positions: int, max_batch: int,
+               device: str) -> None:
     child_init(parent_pid)
-    teacher, train_NT = build_teacher()
+    teacher, train_NT = build_teacher(device=device)
     worker = Worker(batch_fn=TeacherTargets(teacher, train_NT, SEED),
                     batch_config=sample_batch_config(num_positions, SEQ_LEN, HIDDEN, DTYPE),
                     max_batch=max_batch, backend_endpoint=endpoints["backend"],
@@ -176,12 +184,13 @@ def run_worker(parent_pid: int, ready, endpoints: dict[str, str], num_positions:
 
 
 @contextlib.contextmanager
-def pipeline_step(endpoints: dict[str, str], stage: Stage, batch_size: int) -> Iterator[Callable[[], int]]:
+def pipeline_step(endpoints: dict[str, str], stage: Stage, batch_size: int,
+                  device: str) -> Iterator[Callable[[], int]]:
     """A worker with ``max_batch=B`` and a student taking batches of B from the dataset."""
     config = sample_batch_config(len(stage.positions), SEQ_LEN, HIDDEN, DTYPE)
     slots = 4 * batch_size
     with Children() as kids:
-        kids.start(run_worker, endpoints, len(stage.positions), batch_size)
+        kids.start(run_worker, endpoints, len(stage.positions), batch_size, device)
         with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
                            endpoints["control_pub"]) as client:
             client.hello()
@@ -209,7 +218,7 @@ def table_pipeline(teacher: Teacher, train_NT: torch.Tensor, layer: int, batch_s
             for batch_size in batch_sizes:
                 bare = measure(BareLoop(TeacherTargets(teacher, train_NT, SEED), stage, batch_size), seconds,
                                f"bare     stage l={layer} B={batch_size}")
-                with pipeline_step(endpoints, stage, batch_size) as step:
+                with pipeline_step(endpoints, stage, batch_size, str(teacher.device)) as step:
                     piped = measure(step, seconds, f"pipeline stage l={layer} B={batch_size}")
                 rows.append((batch_size, bare, piped))
     finally:
@@ -264,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer", type=int, default=0, help="the target layer of table 1 (default 0)")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
                         help="comma-separated worker batch sizes of table 1")
+    parser.add_argument("--device", default="cpu",
+                        help="where the teachers run: cpu, or cuda / cuda:N (the worker then copies "
+                             "device-to-host on a side stream into pinned staging, finished after the next forward)")
     parser.add_argument("--stage-layers", type=int, default=STAGE_LAYERS,
                         help=f"layers of table 3's teacher (default {STAGE_LAYERS}; tables 1-2 use {LAYERS})")
     args = parser.parse_args(argv)
@@ -274,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleanup runs on SIGTERM too
     logging.getLogger("distill").setLevel(logging.WARNING)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    teacher, train_NT = build_teacher()
+    teacher, train_NT = build_teacher(device=args.device)
     try:
         piped = table_pipeline(teacher, train_NT, args.layer, batch_sizes, seconds)
         best_batch = max(piped, key=lambda r: r[1])[0]
         full, layers = table_layers(teacher, train_NT, best_batch, seconds / 2)
-        deep, deep_NT = build_teacher(args.stage_layers)
+        deep, deep_NT = build_teacher(args.stage_layers, args.device)
         stages = table_stages(deep, deep_NT, best_batch, seconds, (1, 2, 4))
     except KeyboardInterrupt:
         print("\ninterrupted: children stopped, shared memory released", file=sys.stderr)
@@ -290,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     L = teacher.num_layers
     print(f"distill teacher benchmark: Llama hidden {HIDDEN}, {L} layers, {HEADS} heads, vocab {VOCAB}, "
           f"seq_len {SEQ_LEN}, {DTYPE}, random weights (seed {SEED}); {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, 1 torch thread in every process, spawn; {seconds:g} s per cell "
+          f"torch {torch.__version__}, teachers on {args.device}, 1 torch thread in every process, spawn; "
+          f"{seconds:g} s per cell "
           f"(median of {SUB_WINDOWS} sub-windows); load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print(f"\n1) stage l={args.layer} targets: pipeline (broker + 1 worker, TeacherTargets, max_batch=B; "
