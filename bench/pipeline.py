@@ -179,6 +179,17 @@ def fill_targets(model_id: str, model_cfg: dict | None, targets: list) -> None:
         fill_sample(target.tensors["x"], target.request_id)
 
 
+def fresh_samples(sample_bytes: int) -> Iterator[torch.Tensor]:
+    """Endless ``fill_sample``-ed tensors, each in a fresh buffer (what the mp.Queue,
+    DataLoader and bare ZeroMQ producers hand over)."""
+    counter = 0
+    while True:
+        sample = torch.empty(sample_bytes, dtype=torch.uint8)
+        fill_sample(sample, counter)
+        counter += 1
+        yield sample
+
+
 class ConstantStream(torch.utils.data.IterableDataset):
     """The DataLoader's dataset: endless ``fill_sample``-ed tensors."""
 
@@ -187,23 +198,14 @@ class ConstantStream(torch.utils.data.IterableDataset):
         self.sample_bytes = sample_bytes
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        counter = 0
-        while True:
-            sample = torch.empty(self.sample_bytes, dtype=torch.uint8)
-            fill_sample(sample, counter)
-            counter += 1
-            yield sample
+        return fresh_samples(self.sample_bytes)
 
 
 # --------------------------------------------------------------------------- child processes
 def run_queue_producer(parent_pid: int, ready, samples: queue.Queue, sample_bytes: int) -> None:
     child_init(parent_pid)
     ready.set()
-    counter = 0
-    while True:
-        sample = torch.empty(sample_bytes, dtype=torch.uint8)
-        fill_sample(sample, counter)
-        counter += 1
+    for sample in fresh_samples(sample_bytes):
         samples.put(sample)
 
 
@@ -251,11 +253,7 @@ def run_zmq_pusher(parent_pid: int, ready, endpoint: str, sample_bytes: int) -> 
     sock.setsockopt(zmq.SNDHWM, 16)
     sock.connect(endpoint)
     ready.set()
-    counter = 0
-    while True:
-        sample = torch.empty(sample_bytes, dtype=torch.uint8)
-        fill_sample(sample, counter)
-        counter += 1
+    for sample in fresh_samples(sample_bytes):
         sock.send(sample.numpy(), copy=sample_bytes < 65536)
 
 
