@@ -45,9 +45,9 @@ def _check_choices(cfg: DictConfig) -> None:
                          "(pipeline=ipc or pipeline=tcp)")
     if cfg.data.source not in SOURCES:
         raise ValueError(f"data.source={cfg.data.source!r}: choose one of {SOURCES}")
-    if cfg.student.micro_batch_size > cfg.pipeline.slot_count:
-        raise ValueError(f"student.micro_batch_size={cfg.student.micro_batch_size} > pipeline.slot_count="
-                         f"{cfg.pipeline.slot_count}: raise pipeline.slot_count or lower the batch")
+    if cfg.pipeline.slot_count < 1:
+        raise ValueError(f"pipeline.slot_count={cfg.pipeline.slot_count} must be >= 1 (a batch may be larger: "
+                         "its slots are refilled while it is gathered)")
     if cfg.pipeline.slot_count > cfg.pipeline.max_queued_per_student:
         raise ValueError(f"pipeline.slot_count={cfg.pipeline.slot_count} > pipeline.max_queued_per_student="
                          f"{cfg.pipeline.max_queued_per_student}: the broker would refuse the requests; "

@@ -13,8 +13,11 @@ Two modes:
   could not outlive it). Use the DataLoader's ``batch_size`` to batch.
 - ``batch_size=B``: yields ready-made batches ``{name: Tensor[B, ...]}``; each
   sample is copied exactly once, from its slot into the batch (one
-  ``index_select`` per tensor for all the slots that are ready). Use
-  ``DataLoader(dataset, batch_size=None)``. This is the fast path.
+  ``index_select`` per tensor for all the slots that are ready). Each chunk of
+  slots is asked for again as soon as it is copied, not when the batch is whole:
+  the workers refill it while the rest of the batch arrives, and a batch may be
+  larger than ``slot_count`` (large samples need not cost ``batch_size`` slots of
+  shared memory). Use ``DataLoader(dataset, batch_size=None)``. This is the fast path.
 - ``batch_size=B, reuse_batches=True``: the same, but every batch is written into
   the same tensors (a yielded batch is valid until the next one is asked for).
   Fresh large tensors cost page faults and zeroing (more than the copy itself at
@@ -69,9 +72,6 @@ class DistillIterableDataset(IterableDataset):
                  pin_memory: bool = False) -> None:
         super().__init__()
         _check_pin_memory(pin_memory, batch_size, reuse_batches)
-        if batch_size is not None and batch_size > slot_count:
-            raise ValueError(f"batch_size {batch_size} > slot_count {slot_count}: a batch needs its "
-                             "slots all at once; raise slot_count")
         if reuse_batches and batch_size is None:
             raise ValueError("reuse_batches=True needs batch_size=B (it reuses the batch tensors)")
         self.student_rank = student_rank
@@ -189,11 +189,11 @@ class DistillIterableDataset(IterableDataset):
                 ready = self._next_many(pool, self.batch_size - len(slots))
                 chunk = [slot for slot, _, _ in ready]
                 pool.gather(chunk, self.batch_config, batch, len(slots))
+                pool.release_many(chunk)  # copied out: ask for the slots again at once
+                pool.flush()
                 slots += chunk
                 gens += [gen for _, gen, _ in ready]
                 reqs += [req for _, _, req in ready]
-            pool.release_many(slots)
-            pool.flush()
             if min(gens) < self._generation():  # the model moved on while we filled the batch
                 continue
             if self.with_meta:

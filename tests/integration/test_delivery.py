@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from distill.pipeline import Broker, StudentClient
+from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker
 from tests import peers
 
 SLOT_COUNT = 32
@@ -63,3 +64,38 @@ def test_stats_over_the_socket(endpoints, broker_kwargs) -> None:
     assert broker.stats.queued == 2
     client.close()
     broker.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slot_count", [1, 3])
+def test_a_batch_larger_than_the_pool_recycles_its_slots(endpoints, broker_kwargs, slot_count: int) -> None:
+    """Each ready chunk is asked for again as soon as it is copied: a batch of 8 fills
+    from 1 or 3 slots, every sample exact and of the current model, none twice."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                    heartbeat_interval_s=0.2).start()
+    seen: set[int] = set()
+    try:
+        with StudentClient(0, 1, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"]) as client:
+            client.hello()
+            generation = client.set_model("small-pool")
+            dataset = DistillIterableDataset(0, client.generation_value, slot_count, peers.batch_config(),
+                                             endpoints["frontend"], batch_size=8, with_meta=True, timeout_s=60)
+            batches = iter(dataset)
+            try:
+                for _ in range(25):
+                    batch = next(batches)
+                    assert len(batch["x"]) == 8
+                    for x, req, gen in zip(batch["x"], batch["request_id"].tolist(),
+                                           batch["generation"].tolist(), strict=True):
+                        assert gen == generation and req not in seen
+                        assert torch.equal(x, peers.expected_x(req, generation)), f"request {req} torn"
+                        seen.add(req)
+            finally:
+                batches.close()
+    finally:
+        worker.stop()
+        broker.stop()
+    assert len(seen) == 200 and broker.stats.failed == 0
