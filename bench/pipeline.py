@@ -17,6 +17,11 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   messages, no broker, no checks: the ceiling of a transport in which one process
   writes each sample and another copies it, on this machine (the producers' writes
   share the memory bandwidth with the consumer's copy; ``cold memcpy`` has no producer).
+- ``pipe handoff``: the same rings, but waiting sleeps: each producer sends the
+  index of every slot it filled down a pipe and blocks on a second pipe for freed
+  slots when it has none; the consumer blocks on the first pipe and sends back each
+  run it copied. Two small messages per slot, straight between the two processes (no
+  broker, no ZeroMQ I/O threads): the ceiling of a transport that does not spin.
 - ``mp.Queue``: 1 or 2 producer processes put tensors on a
   ``torch.multiprocessing`` queue; the consumer copies each one into the batch.
 - ``DataLoader``: a ``torch.utils.data.DataLoader`` with 2 worker processes
@@ -63,6 +68,8 @@ Run it from the repository root::
     python bench/pipeline.py --quick       # smoke run, about a minute
     python bench/pipeline.py --seconds 5   # longer measuring windows
     python bench/pipeline.py --auth --methods dataset,client   # + TCP, TCP + CurveZMQ
+    python bench/pipeline.py --sizes 4MiB --methods memcpy,handoff,pipe,dataset --slot-count 6
+                                           # every ring and the student's pool: 6 slots
 
 Ctrl-C stops it cleanly: child processes are stopped (and die with this process
 anyhow), shared-memory segments are unlinked, IPC sockets removed.
@@ -71,6 +78,7 @@ anyhow), shared-memory segments are unlinked, IPC sockets removed.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import logging
@@ -84,7 +92,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -246,6 +254,22 @@ def run_handoff_producer(parent_pid: int, ready, ring: torch.Tensor, flags: torc
             full[slot] = 1  # x86 keeps stores in order: the flag lands after the sample
 
 
+def run_pipe_producer(parent_pid: int, ready, ring: torch.Tensor, filled, freed) -> None:
+    """Pipe handoff: fill a free slot and send its index on ``filled``; with no slot
+    free, sleep on ``freed`` until the consumer sends some back."""
+    child_init(parent_pid)
+    ready.set()
+    free = collections.deque(range(len(ring)))
+    counter = 0
+    while True:
+        if not free:
+            free.extend(np.frombuffer(freed.recv_bytes(), dtype=np.int32).tolist())
+        slot = free.popleft()
+        fill_sample(ring[slot], counter)
+        counter += 1
+        filled.send_bytes(np.int32(slot).tobytes())
+
+
 def run_zmq_pusher(parent_pid: int, ready, endpoint: str, sample_bytes: int) -> None:
     """Bare ZeroMQ: fill a fresh buffer per sample and PUSH it zero-copy, forever."""
     child_init(parent_pid)
@@ -396,6 +420,46 @@ def _take_run(ring: torch.Tensor, full: np.ndarray, cursors: list[int], turn: in
     full[first:last] = 0
     cursors[turn] = last % len(full)
     return run
+
+
+def bench_pipe_handoff(size: Size, seconds: float) -> Iterator[Result]:
+    """1, then 2 producers with rings as in ``bench_handoff``; slots are handed over by
+    blocking pipe messages instead of polled flags."""
+    for count in (1, 2):
+        per_ring = max(2, size.slot_count // count)
+        rings = [torch.empty((per_ring, size.sample_bytes), dtype=torch.uint8).share_memory_()
+                 for _ in range(count)]
+        yield _pipe_cell(size, seconds, rings)
+
+
+def _pipe_cell(size: Size, seconds: float, rings: list[torch.Tensor]) -> Result:
+    """The consumer takes the rings in turn: it sleeps until a slot is filled, copies it
+    and any others already filled (up to the batch), and sends their indices back."""
+    batch, turn = _batch(size), 0
+    with Children() as kids:
+        pipes, producers = [], []
+        for ring in rings:
+            filled_out, filled_in = SPAWN.Pipe(duplex=False)
+            freed_out, freed_in = SPAWN.Pipe(duplex=False)
+            producers.append(kids.start(run_pipe_producer, ring, filled_in, freed_out))
+            pipes.append((filled_out, freed_in))
+
+        def step() -> int:
+            nonlocal turn
+            done = 0
+            while done < size.batch_size:
+                turn = (turn + 1) % len(rings)
+                filled, freed = pipes[turn]
+                slots = [int(np.frombuffer(filled.recv_bytes(), dtype=np.int32)[0])]
+                while done + len(slots) < size.batch_size and filled.poll(0):
+                    slots.append(int(np.frombuffer(filled.recv_bytes(), dtype=np.int32)[0]))
+                copy_rows(rings[turn], torch.tensor(slots), batch[done:done + len(slots)])
+                freed.send_bytes(np.array(slots, dtype=np.int32).tobytes())
+                done += len(slots)
+            return size.batch_size
+
+        return measure(size, "pipe handoff", len(rings), step, seconds,
+                       {"consumer": [os.getpid()], "producers": producers})
 
 
 def bench_queue(size: Size, seconds: float) -> Iterator[Result]:
@@ -601,20 +665,21 @@ TARGETS = {"4 KiB": ("mp.Queue", 15.0, 25.0), "256 KiB": ("cold memcpy", 0.15, 0
 
 def print_ratios(results: list[Result], sizes: tuple[Size, ...]) -> None:
     print("\nbest pipeline cell / best cell of each baseline (same size, same run); "
-          "/ handoff: against the ideal shared-memory handoff, the transport's own ceiling")
-    print(f"{'size':<8} {'best pipeline':<30} {'/ memcpy':>9} {'/ handoff':>10} {'/ mp.Queue':>11} "
+          "/ handoff, / pipe: against the ideal shared-memory handoffs (polled flags, blocking pipes), "
+          "the transport's own ceilings")
+    print(f"{'size':<8} {'best pipeline':<30} {'/ memcpy':>9} {'/ handoff':>10} {'/ pipe':>7} {'/ mp.Queue':>11} "
           f"{'/ DataLoader':>13}  target")
     for size in sizes:
         best = _best(results, size, "pipeline")
         if best is None:
             continue
         ratios = {}
-        for method in ("cold memcpy", "shm handoff", "mp.Queue", "DataLoader"):
+        for method in ("cold memcpy", "shm handoff", "pipe handoff", "mp.Queue", "DataLoader"):
             reference = _best(results, size, method)
             ratios[method] = best.rate / reference.rate if reference else None
         print(f"{size.label:<8} {best.method + f' x{best.procs}':<30} {_fmt(ratios['cold memcpy']):>9} "
-              f"{_fmt(ratios['shm handoff']):>10} {_fmt(ratios['mp.Queue'], 1):>11} "
-              f"{_fmt(ratios['DataLoader'], 1):>13}  {_verdict(size, ratios)}")
+              f"{_fmt(ratios['shm handoff']):>10} {_fmt(ratios['pipe handoff']):>7} "
+              f"{_fmt(ratios['mp.Queue'], 1):>11} {_fmt(ratios['DataLoader'], 1):>13}  {_verdict(size, ratios)}")
 
 
 TCP_TARGET = 0.5
@@ -711,6 +776,8 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                     cells.append(bench_filler(size, seconds, ring))
                 if "handoff" in methods:
                     cells += bench_handoff(size, seconds)
+                if "pipe" in methods:
+                    cells += bench_pipe_handoff(size, seconds)
                 if "queue" in methods:
                     cells += bench_queue(size, seconds)
                 if "dataloader" in methods:
@@ -739,9 +806,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=None,
                         help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
-    parser.add_argument("--methods", default="memcpy,filler,handoff,queue,dataloader,dataset,client,zmq,tcp",
-                        help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, queue, "
+    parser.add_argument("--methods", default="memcpy,filler,handoff,pipe,queue,dataloader,dataset,client,zmq,tcp",
+                        help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, pipe, queue, "
                              "dataloader, dataset, client, zmq, tcp")
+    parser.add_argument("--slot-count", type=int, default=None,
+                        help="slots of every size's rings and student pool (default: each size's own)")
     parser.add_argument("--auth", action="store_true",
                         help="also run the pipeline over TCP loopback, without and with CurveZMQ")
     return parser.parse_args(argv)
@@ -752,6 +821,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (QUICK_SECONDS if args.quick else DEFAULT_SECONDS)
     wanted = {s.strip().replace(" ", "") for s in args.sizes.split(",")}
     sizes = tuple(s for s in SIZES if s.label.replace(" ", "") in wanted)
+    if args.slot_count is not None:
+        if args.slot_count < 1:
+            raise SystemExit(f"--slot-count {args.slot_count}: must be >= 1")
+        sizes = tuple(replace(s, slot_count=args.slot_count) for s in sizes)
     methods = {m.strip() for m in args.methods.split(",")}
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
