@@ -378,11 +378,15 @@ def bench_handoff(size: Size, seconds: float) -> Iterator[Result]:
     far the producers may run ahead decides whether a slot is still cached when read).
     The consumer takes slots from the rings in turn, a ready run at a time."""
     for count in (1, 2):
-        per_ring = max(2, size.slot_count // count)
-        rings = [torch.empty((per_ring, size.sample_bytes), dtype=torch.uint8).share_memory_()
-                 for _ in range(count)]
-        flags = [torch.zeros(per_ring, dtype=torch.int64).share_memory_() for _ in range(count)]
+        rings = _shared_rings(size, count)
+        flags = [torch.zeros(len(ring), dtype=torch.int64).share_memory_() for ring in rings]
         yield _handoff_cell(size, seconds, rings, flags)
+
+
+def _shared_rings(size: Size, count: int) -> list[torch.Tensor]:
+    """``count`` rings in shared memory holding ``slot_count`` samples in all (2 each at least)."""
+    per_ring = max(2, size.slot_count // count)
+    return [torch.empty((per_ring, size.sample_bytes), dtype=torch.uint8).share_memory_() for _ in range(count)]
 
 
 def _handoff_cell(size: Size, seconds: float, rings: list[torch.Tensor], flags: list[torch.Tensor]) -> Result:
@@ -426,10 +430,7 @@ def bench_pipe_handoff(size: Size, seconds: float) -> Iterator[Result]:
     """1, then 2 producers with rings as in ``bench_handoff``; slots are handed over by
     blocking pipe messages instead of polled flags."""
     for count in (1, 2):
-        per_ring = max(2, size.slot_count // count)
-        rings = [torch.empty((per_ring, size.sample_bytes), dtype=torch.uint8).share_memory_()
-                 for _ in range(count)]
-        yield _pipe_cell(size, seconds, rings)
+        yield _pipe_cell(size, seconds, _shared_rings(size, count))
 
 
 def _pipe_cell(size: Size, seconds: float, rings: list[torch.Tensor]) -> Result:
