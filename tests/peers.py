@@ -56,6 +56,15 @@ def consume_verified(client, generation: int, count: int, *, seen: set[int] | No
     return seen
 
 
+def run_segment_owner() -> None:
+    """A consumer pool (segment + notice inbox) that waits to be killed, never closing them."""
+    from distill.pipeline import SlotPool
+
+    pool = SlotPool("ipc:///nonexistent/frontend.sock", "owner", 2, 4096, lambda: 0, lambda _: None)
+    time.sleep(120)
+    pool.close()
+
+
 def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> None:
     setup_logging("WARNING")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -566,24 +566,34 @@ class Broker:
             return
         peer.credit += work.num_slots if work.credit is None else work.credit
         failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < work.num_slots}
-        self._complete_parts(work, failed)
+        self._complete_parts(work, failed, frozenset(body.get("notified") or ()))
 
-    def _complete(self, work: Work, failed: dict[int, str]) -> None:
+    def _complete(self, work: Work, failed: dict[int, str], notified: frozenset[str] = frozenset()) -> None:
+        """Answer a finished WORK: COMPLETE (filled or failed) or DISCARDED (stale) to
+        each student; filled slots of ``notified`` segments were announced by the worker
+        itself (``notices.py``) and are only counted."""
         self._settled(work.requests)
         run = self._runs.get(work.run_id)
         stale = run is None or work.generation != run.generation
         by_student: dict[bytes, list[list]] = {}
         discarded: dict[bytes, list[list[int]]] = {}
+        num_notified = 0
         if not stale and not failed:  # the common case: every slot filled
             for request in work.requests:
+                if request.medium in notified:
+                    num_notified += len(request.slots)
+                    continue
                 by_student.setdefault(request.student, []).extend(
                     [slot_idx, request_id, True] for slot_idx, request_id in request.slots)
         else:
             self._sort_outcomes(work, stale, failed, by_student, discarded)
+            if notified and not stale:
+                num_notified = _drop_notified(work, notified, by_student)
         num_failed = sum(not ok for rows in by_student.values() for *_, ok in rows) if failed else 0
-        num_rows = sum(len(v) for v in by_student.values())
+        num_rows = sum(len(v) for v in by_student.values()) + num_notified
         num_discarded = sum(len(v) for v in discarded.values())
         self._counters.completed += num_rows - num_failed
+        self._counters.notified += num_notified
         self._counters.failed += num_failed
         self._counters.discarded += num_discarded
         if run is not None:
@@ -591,8 +601,9 @@ class Broker:
             run.discarded += num_discarded
         self._completed_rate.add(num_rows)
         for student, rows in by_student.items():
-            protocol.send(self._frontend, Command.COMPLETE, {"generation": work.generation, "slots": rows},
-                          identity=student)
+            if rows:
+                protocol.send(self._frontend, Command.COMPLETE, {"generation": work.generation, "slots": rows},
+                              identity=student)
         for student, rows in discarded.items():
             protocol.send(self._frontend, Command.DISCARDED,
                           {"generation": run.generation if run else 0, "slots": rows}, identity=student)
@@ -705,15 +716,16 @@ class Broker:
             "runs": groups, "copies": copies,
         }, identity=worker.identity)
 
-    def _complete_parts(self, work: Work, failed: dict[int, str]) -> None:
+    def _complete_parts(self, work: Work, failed: dict[int, str], notified: frozenset[str]) -> None:
         """Complete a WORK, each run's part against its own run's generation."""
         if not work.parts:
-            self._complete(work, failed)
+            self._complete(work, failed, notified)
             return
         start = 0
         for part in work.parts:
             end = start + part.num_slots
-            self._complete(part, {idx - start: why for idx, why in failed.items() if start <= idx < end})
+            self._complete(part, {idx - start: why for idx, why in failed.items() if start <= idx < end},
+                           notified)
             start = end
 
     @staticmethod
@@ -835,7 +847,7 @@ class Broker:
         return BrokerStats(
             queued=sum(r.queued for r in self._runs.values()),
             in_flight=sum(w.num_slots for p in self._workers.values() for w in p.in_flight.values()),
-            requested=c.requested, dispatched=c.dispatched, completed=c.completed,
+            requested=c.requested, dispatched=c.dispatched, completed=c.completed, notified=c.notified,
             discarded=c.discarded, requeued=c.requeued, quarantined=c.quarantined, released=c.released,
             failed=c.failed, refused=c.refused,
             bad_messages=c.bad_messages, workers=len(self._workers), students=len(self._students),
@@ -879,3 +891,16 @@ def _parts(works: Any) -> list[Work]:
 def _slots(requests: list[SlotRequests]) -> Any:
     """(request, slot_idx, request_id) of every slot of ``requests``, in order."""
     return ((request, slot_idx, request_id) for request in requests for slot_idx, request_id in request.slots)
+
+
+def _drop_notified(work: Work, notified: frozenset[str], by_student: dict[bytes, list[list]]) -> int:
+    """Take the filled slots of ``notified`` segments out of the COMPLETE rows (their
+    students were told directly; failed ones still need the broker). Returns how many."""
+    students = {request.student for request in work.requests if request.medium in notified}
+    dropped = 0
+    for student in students & by_student.keys():
+        rows = by_student[student]
+        kept = [row for row in rows if not row[2]]
+        dropped += len(rows) - len(kept)
+        by_student[student] = kept
+    return dropped

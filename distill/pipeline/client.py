@@ -46,6 +46,7 @@ from distill.pipeline.liveness import (
 )
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
 from distill.pipeline.mediums.tcp import TcpMedium
+from distill.pipeline.notices import NoticeInbox
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
@@ -56,6 +57,7 @@ from distill.pipeline.slot import (
     header_table,
     slot_stride,
 )
+from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,8 @@ class SlotPool:
                  role: str = "student", request_batch: int | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
-                 tcp_host: str | None = None, curve: CurveConfig | ClientKeys | None = None) -> None:
+                 tcp_host: str | None = None, curve: CurveConfig | ClientKeys | None = None,
+                 notices: bool = True) -> None:
         keys = curve.client_keys() if isinstance(curve, CurveConfig) else curve  # before any resource
         sweep_orphans()
         self.run_id = run_id
@@ -117,6 +120,12 @@ class SlotPool:
         self._sock = secure_client(protocol.configure(self._ctx.socket(zmq.DEALER)), keys)
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.connect(frontend_endpoint)
+        self._inbox = NoticeInbox.open(self.medium.buf_name) if notices and self._data_sock is None else None
+        """Workers on this machine announce filled slots here, past the broker (``notices.py``)."""
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        if self._inbox is not None:
+            self._poller.register(self._inbox.fileno(), zmq.POLLIN)
         self._heart = Heartbeater(frontend_endpoint, self.peer_id, role, interval_s=heartbeat_interval_s,
                                   liveness=heartbeat_liveness, keys=keys, first_beat_now=True).start()
         self._free: deque[int] = deque(range(slot_count))
@@ -128,7 +137,7 @@ class SlotPool:
         self._next_request_id = secrets.randbits(40) << 16
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0,
-                       "quarantined": 0, "released": 0, "refused": 0}
+                       "quarantined": 0, "released": 0, "refused": 0, "notices": 0}
         self._quarantined: dict[int, str | None] = {}  # slot -> process token of its writer
         self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
         self._quarantine_checked = 0.0
@@ -137,6 +146,7 @@ class SlotPool:
         self._warned_silent = False
         self._consecutive_failures = 0
         self._failure_logged = 0.0
+        self._refusals = LogThrottle(log)
 
     # ------------------------------------------------------------------ requests
     def request_free(self) -> None:
@@ -232,7 +242,11 @@ class SlotPool:
                 return []
             if self._data_sock is not None:
                 self._wait_network(min(left, self._heart.interval_s))
-            elif self._sock.poll(min(left, self._heart.interval_s) * 1000):
+            elif self._inbox is None:
+                if self._sock.poll(min(left, self._heart.interval_s) * 1000):
+                    self._drain()
+            elif self._poller.poll(min(left, self._heart.interval_s) * 1000):
+                self._take_notices()
                 self._drain()
 
     def _take_ready(self, max_count: int) -> list[tuple[int, int, int]]:
@@ -257,6 +271,14 @@ class SlotPool:
                 continue
             self._on_message(msg)
 
+    def _take_notices(self) -> None:
+        """Completions a worker sent us directly (checked exactly as the broker's)."""
+        if self._inbox is None:
+            return
+        for msg in self._inbox.receive():
+            self.counts["notices"] += 1
+            self._on_complete(msg.body["generation"], msg.body["slots"], notice=True)
+
     def _on_message(self, msg: protocol.Message) -> dict[str, Any] | None:
         if msg.command is Command.COMPLETE:
             self._on_complete(msg.body["generation"], msg.body["slots"])
@@ -276,7 +298,11 @@ class SlotPool:
             return msg.body
         return None
 
-    def _on_complete(self, generation: int, rows: list[list]) -> None:
+    def _on_complete(self, generation: int, rows: list[list], *, notice: bool = False) -> None:
+        """Accept completed slots that check out. A worker's direct ``notice`` whose header
+        does not check out is ignored and its slot stays pending: asking again could put a
+        second writer on a slot the first may still be writing (the broker, which knows
+        the first has finished, answers such slots instead)."""
         if generation > self._generation():
             self._note_generation(generation)
         if self._data_sock is not None:
@@ -302,7 +328,22 @@ class SlotPool:
             self._ready.extend(zip(slots, [generation] * len(slots), reqs, strict=True))
             return
         for slot, req, match in zip(slots, reqs, matches.tolist(), strict=True):
-            self._accept_or_refuse(slot, generation, req, match)
+            if notice and not match:
+                self._ignore_notice(slot, generation, req)
+            else:
+                self._accept_or_refuse(slot, generation, req, match)
+
+    def _ignore_notice(self, slot: int, generation: int, req: int) -> None:
+        """A notice for a pending slot whose header is not (yet) the one asked for."""
+        problem = check_slot(self.medium.slot_view(slot), generation, req, self.payload_bytes)
+        if problem is None:  # the quick check's false alarm: the slow one accepts it
+            self.counts["accepted"] += 1
+            self._ready.append((slot, generation, req))
+            return
+        self._pending[slot] = req
+        self.counts["rejected"] += 1
+        self._refusals.warning("%s: notice for slot %d ignored (%s); it stays pending", self.peer_id, slot,
+                               problem)
 
     def _on_failed_fill(self, slot: int) -> None:
         """A worker could not fill the slot: ask again, backing off while failures persist."""
@@ -462,7 +503,8 @@ class SlotPool:
                     len(self._pending))
         if self.on_rejoin is not None:
             self.on_rejoin()
-        self._drain()  # answers already here settle their requests: those need no repeat
+        self._take_notices()  # answers already here settle their requests: those need no repeat
+        self._drain()
         # The same request ids: a REQUEST of ours that was still on its way reaches the
         # new broker too, and the broker drops the repeat instead of filling a slot twice.
         self._to_request.extend(self._pending)
@@ -515,6 +557,8 @@ class SlotPool:
             protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
         self._sock.close(linger=100)
         self._ctx.term()
+        if self._inbox is not None:
+            self._inbox.close()
         # Drop our views of the segment first, so that closing it can unmap it.
         self._slot_views.clear()
         self._headers = self._payload_rows = None
@@ -540,7 +584,7 @@ class StudentClient:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, leader_epoch: int | None = None,
-                 curve: CurveConfig | None = None, share_model: bool = False) -> None:
+                 curve: CurveConfig | None = None, share_model: bool = False, notices: bool = True) -> None:
         self.student_rank = student_rank
         # Fan-out opt-in: this run's slots may get samples the teacher made for other
         # runs of the same model (one teacher pass for a whole sweep; see broker.py).
@@ -562,7 +606,7 @@ class StudentClient:
                               self._current_generation, self._note_generation,
                               heartbeat_interval_s=heartbeat_interval_s,
                               heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host,
-                              curve=self._keys)
+                              curve=self._keys, notices=notices)
         self._pool.on_rejoin = self._rejoin
         self._control_lock = threading.Lock()  # a restore never interleaves with a switch
         self._keeper: threading.Thread | None = None

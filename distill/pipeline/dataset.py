@@ -69,7 +69,7 @@ class DistillIterableDataset(IterableDataset):
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, curve: CurveConfig | None = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, notices: bool = True) -> None:
         super().__init__()
         _check_pin_memory(pin_memory, batch_size, reuse_batches)
         if reuse_batches and batch_size is None:
@@ -96,6 +96,8 @@ class DistillIterableDataset(IterableDataset):
         self.curve = curve
         """Paths, not keys: each process that iterates reads (and checks) the keys itself."""
         self.pin_memory = pin_memory
+        self.notices = notices
+        """Let workers on this machine announce filled slots directly (``notices.py``)."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
@@ -122,7 +124,7 @@ class DistillIterableDataset(IterableDataset):
                         role=f"dataset{self.student_rank}",
                         heartbeat_interval_s=self.heartbeat_interval_s,
                         heartbeat_liveness=self.heartbeat_liveness, medium=self.medium,
-                        tcp_host=self.tcp_host, curve=self.curve)
+                        tcp_host=self.tcp_host, curve=self.curve, notices=self.notices)
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.

@@ -24,6 +24,9 @@ Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
     ControlPub PUB   B->*  MODEL, STOP    (topic frame = run id, or b"" for all)
     Data     PULL    W->S  DATA + one frame per slot   (network medium only, see
                            ``mediums/tcp.py``; the broker never sees it)
+    Inbox    unix    W->S  COMPLETE, one datagram     (shared memory on the worker's
+             dgram               machine, see ``notices.py``; DONE.notified then names
+                                 the segments whose filled slots need no COMPLETE)
 
 Slot items travel as compact lists rather than dicts so that one REQUEST, WORK or
 DONE can carry hundreds of slots cheaply:
@@ -31,6 +34,7 @@ DONE can carry hundreds of slots cheaply:
     REQUEST.slots  [[slot_idx, request_id], ...]           (one medium per REQUEST)
     WORK.items     [[medium, slot_idx, stride, request_id], ...]
     DONE.failed    [[item_idx, reason], ...]               (items not written)
+    DONE.notified  [medium, ...]                           (told directly, see notices.py)
     COMPLETE.slots [[slot_idx, request_id, ok], ...]
     WORK.runs      [[run_id, generation, num_items], ...]  (fan-out only, see below)
     WORK.copies    [[item_idx, source_item_idx], ...]      (fan-out only)
@@ -116,8 +120,8 @@ class Message:
 
 # --------------------------------------------------------------------------- schema
 # Each field: name -> kind. Kinds: "str", "int" (0..MAX_INT), "sint" (signed int),
-# "float", "bool", "dict" (msgpack map of plain values), "any", or a list kind
-# ("slots", "items", "failed", "done_slots") checked element-wise below.
+# "float", "bool", "dict" (msgpack map of plain values), "names" (a list of "str"),
+# or a list kind ("slots", "items", "failed", "done_slots") checked element-wise below.
 # A trailing "?" marks an optional field.
 
 SCHEMA: dict[Command, dict[str, str]] = {
@@ -129,7 +133,8 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
                    "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?"},
-    Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed"},
+    Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed",
+                   "notified": "names?"},
     Command.COMPLETE: {"generation": "int", "slots": "done_slots"},
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
     Command.QUARANTINE: {"slots": "slots", "process": "str?"},
@@ -210,6 +215,10 @@ def _check_value(command: Command, key: str, kind: str, value: Any) -> None:
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ProtocolError(f"{where} must be true or false")
+    elif kind == "names":
+        if not _QUICK_CHECKS["names"](value):
+            raise ProtocolError(f"{where} must be a list of at most {MAX_ITEMS_PER_MESSAGE} strings "
+                                f"of at most {MAX_STRING_CHARS} chars")
     elif kind in _LIST_SHAPES:
         _check_list(where, value, _LIST_SHAPES[kind])
     else:  # pragma: no cover - schema typo
@@ -332,6 +341,8 @@ _QUICK_CHECKS = {
     "int": lambda v: type(v) is int and 0 <= v <= MAX_INT,
     "dict": lambda v: type(v) is dict,
     "bool": lambda v: type(v) is bool,
+    "names": lambda v: type(v) is list and len(v) <= MAX_ITEMS_PER_MESSAGE
+    and all(type(s) is str and len(s) <= MAX_STRING_CHARS for s in v),
     **{kind: (lambda v, ok=_WELL_FORMED[shape]: type(v) is list
               and len(v) <= MAX_ITEMS_PER_MESSAGE and ok(v))
        for kind, shape in _LIST_SHAPES.items()},

@@ -50,6 +50,8 @@ class BrokerStats:
     requested: int = 0
     dispatched: int = 0
     completed: int = 0
+    notified: int = 0
+    """Of ``completed``: announced to their students by the worker itself (``notices.py``)."""
     discarded: int = 0
     requeued: int = 0
     quarantined: int = 0

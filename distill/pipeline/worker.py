@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +56,7 @@ from distill.pipeline.liveness import (
 )
 from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
 from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium, parse_medium
+from distill.pipeline.notices import NoticeOutbox
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
@@ -129,7 +130,7 @@ class Worker:
                  prefetch_batches: int = 2, checksum: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, local_shm: bool = True,
-                 curve: CurveConfig | None = None) -> None:
+                 curve: CurveConfig | None = None, notify_students: bool = True) -> None:
         if (generator_fn is None) == (batch_fn is None):
             raise ValueError("Worker needs exactly one of generator_fn= (per sample) or batch_fn= (batched)")
         if slot_size is None:
@@ -165,6 +166,9 @@ class Worker:
         self.local_shm = local_shm
         """Write into a network medium's segment directly when it is on this machine."""
         self._sender = TcpSender()
+        self.notify_students = notify_students
+        """Tell students on this machine about filled slots directly (``notices.py``)."""
+        self._outbox: NoticeOutbox | None = None
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], dict[int, dict[int, str]], Deferred] | None = None
 
@@ -189,9 +193,12 @@ class Worker:
         sub.connect(self.control_pub_endpoint)
         heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=self.heartbeat_interval_s,
                             liveness=self.heartbeat_liveness, keys=self._keys).start()
+        self._outbox = NoticeOutbox() if self.notify_students else None
         try:
             self._serve(sock, sub, heart)
         finally:
+            if self._outbox is not None:
+                self._outbox.close()
             heart.stop()
             sock.setsockopt(zmq.SNDTIMEO, 100)  # no route to the broker (refused key): skip BYE
             with contextlib.suppress(zmq.Again):
@@ -335,10 +342,26 @@ class Worker:
     def _send_done(self, sock: zmq.Socket, group: list[Message], failed: dict[int, dict[int, str]]) -> None:
         for work in group:
             body = work.body
-            protocol.send(sock, Command.DONE, {
-                "peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
-                "failed": [[idx, why] for idx, why in sorted(failed.get(body["work_id"], {}).items())],
-            })
+            failures = failed.get(body["work_id"], {})
+            done = {"peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
+                    "failed": [[idx, why] for idx, why in sorted(failures.items())]}
+            notified = self._notify(body, failures) if self._outbox is not None else []
+            if notified:
+                done["notified"] = notified
+            protocol.send(sock, Command.DONE, done)
+
+    def _notify(self, body: dict, failures: dict[int, str]) -> list[str]:
+        """Tell the students whose shared memory we filled, straight to their inboxes
+        (``notices.py``), before DONE reaches the broker. Returns the segments every
+        notice reached: the broker completes the others."""
+        rows: dict[tuple[str, int], list[list]] = {}
+        for idx, generation, (medium, slot_idx, _stride, request_id) in _with_generations(body):
+            if idx not in failures and medium in self._segments and not is_tcp_medium(medium):
+                rows.setdefault((medium, generation), []).append([slot_idx, request_id, True])
+        reached, missed = set(), set()
+        for (medium, generation), slots in rows.items():
+            (reached if self._outbox.send(medium, generation, slots) else missed).add(medium)
+        return sorted(reached - missed)
 
     def _fill_group(self, group: list[Message]) -> tuple[dict[int, dict[int, str]], Deferred | None]:
         """Fill every slot of WORKs of one (run, generation, model). Returns failures, and
@@ -626,6 +649,22 @@ def _group_by_model(works: list[Message]) -> list[list[Message]]:
         b = work.body
         groups.setdefault((b["run_id"], b["generation"], b["model_id"]), []).append(work)
     return list(groups.values())
+
+
+def _with_generations(body: dict) -> Iterator[tuple[int, int, list]]:
+    """(index, generation, item) for every item of a WORK (a fan-out WORK's groups
+    each have their own generation)."""
+    items = body["items"]
+    if body.get("runs") is None:
+        generation = body["generation"]
+        for idx, item in enumerate(items):
+            yield idx, generation, item
+        return
+    start = 0
+    for _run_id, generation, count in body["runs"]:
+        for idx in range(start, min(start + count, len(items))):
+            yield idx, generation, items[idx]
+        start += count
 
 
 def _shared_sources(body: dict) -> dict[int, int]:

@@ -34,6 +34,7 @@ import time
 import weakref
 
 from distill.pipeline.mediums.base import MediumBase
+from distill.pipeline.notices import sweep_inboxes
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,8 @@ def list_segments() -> list[str]:
 
 
 def sweep_orphans(min_age_s: float = 2.0) -> list[str]:
-    """Unlink our segments whose owner is gone (nobody holds their lock). Returns them."""
+    """Unlink our segments whose owner is gone (nobody holds their lock), and the notice
+    inboxes (``notices.py``) of segments that are gone. Returns the segments."""
     swept = []
     now = time.time()
     for name in list_segments():
@@ -224,6 +226,7 @@ def sweep_orphans(min_age_s: float = 2.0) -> list[str]:
             os.close(fd)
         _unlink(name)
         swept.append(name)
+    sweep_inboxes(lambda segment: os.path.exists(os.path.join(SHM_DIR, segment)), min_age_s=min_age_s)
     if swept:
         log.info("swept %d orphaned shared-memory segment(s): %s", len(swept), ", ".join(swept))
     return swept

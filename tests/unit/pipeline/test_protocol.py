@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from distill.pipeline.notices import decode_notice, encode_notice
 from distill.pipeline.protocol import (
     PROTOCOL_TAG,
     SCHEMA,
@@ -23,7 +24,8 @@ VALID = {
                       "stride": 4160, "slots": [[0, 1], [1, 2]]},
     Command.WORK: {"work_id": 1, "run_id": "r", "generation": 1, "model_id": "m", "model_cfg": {"a": 1},
                    "items": [["dst_a_1_0", 0, 4160, 9]]},
-    Command.DONE: {"peer_id": "w", "work_id": 1, "num_items": 1, "failed": [[0, "boom"]]},
+    Command.DONE: {"peer_id": "w", "work_id": 1, "num_items": 1, "failed": [[0, "boom"]],
+                   "notified": ["dst_a_1_0"]},
     Command.COMPLETE: {"generation": 1, "slots": [[0, 1, True]]},
     Command.SET_MODEL: {"run_id": "r", "model_id": "layer_0", "leader_epoch": 7, "peer_id": "student-1"},
     Command.QUARANTINE: {"slots": [[3, 11]], "process": "boot/pid:[1]:42:99"},
@@ -56,6 +58,9 @@ def test_every_command_has_a_schema() -> None:
     ([PROTOCOL_TAG, b"REQUEST", msgpack.packb({**VALID[Command.REQUEST], "slots": [["a", 1]]})], "integer"),
     ([PROTOCOL_TAG, b"REQUEST", msgpack.packb({**VALID[Command.REQUEST], "medium": "x" * 300})], "string"),
     ([PROTOCOL_TAG, b"COMPLETE", msgpack.packb({"generation": 1, "slots": [[0, 1, 1]]})], "bool"),
+    ([PROTOCOL_TAG, b"DONE", msgpack.packb({**VALID[Command.DONE], "notified": "dst_a_1_0"})], "strings"),
+    ([PROTOCOL_TAG, b"DONE", msgpack.packb({**VALID[Command.DONE], "notified": [1]})], "strings"),
+    ([PROTOCOL_TAG, b"DONE", msgpack.packb({**VALID[Command.DONE], "notified": ["x" * 300]})], "strings"),
 ])
 def test_malformed_messages_raise_protocol_error(frames: list[bytes], reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):
@@ -83,3 +88,30 @@ def test_random_bodies_are_accepted_only_when_valid(command: Command, body: dict
     except ProtocolError:
         return
     assert encode(msg.command, msg.body)  # anything accepted also passes our own encoder
+
+
+def test_a_notice_is_one_datagram_holding_a_complete() -> None:
+    msg = decode_notice(encode_notice(4, [[0, 9, True], [3, 10, True]]))
+    assert msg.command is Command.COMPLETE
+    assert msg.body == {"generation": 4, "slots": [[0, 9, True], [3, 10, True]]}
+
+
+@pytest.mark.parametrize(("datagram", "reason"), [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb({"a": 1}), "list of frames"),
+    (msgpack.packb([1, 2, 3]), "list of frames"),
+    (msgpack.packb([PROTOCOL_TAG, b"COMPLETE"]), "3 frames"),
+    (msgpack.packb(encode(Command.RELEASE, {"slots": [[1, 2]]})), "not accepted in a notice"),
+    (msgpack.packb([PROTOCOL_TAG, b"COMPLETE", msgpack.packb({"generation": 1, "slots": [[0, -1, True]]})]),
+     "integer"),
+])
+def test_bad_notices_raise_protocol_error(datagram: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        decode_notice(datagram)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=128))
+def test_random_datagrams_never_crash_the_notice_decoder(datagram: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode_notice(datagram)
