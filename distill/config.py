@@ -82,6 +82,9 @@ class PipelineConfig:
     sockets listen there, on ports the OS picks); null = the hostname's address."""
     local_shm: bool = True
     """medium=tcp, workers: write straight into the shared memory of students on this machine."""
+    notices: bool = True
+    """medium=shm: workers tell students on their machine about filled slots through a Unix
+    datagram socket, not through the broker (shorter round trip; see the README, "Transport")."""
     max_queued: int = 1_000_000
     """Broker: slots queued over all runs; REQUESTs past it are refused."""
     max_queued_per_student: int = 8_192

@@ -84,7 +84,8 @@ def build_worker(cfg: DictConfig) -> Worker:
                   max_batch=cfg.pipeline.worker_max_batch,
                   heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
                   heartbeat_liveness=cfg.pipeline.heartbeat_liveness,
-                  local_shm=cfg.pipeline.local_shm, curve=curve_config(cfg))
+                  local_shm=cfg.pipeline.local_shm, curve=curve_config(cfg),
+                  notify_students=cfg.pipeline.notices)
 
 
 def run_worker(cfg: DictConfig) -> None:
