@@ -32,7 +32,10 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   ``DistillIterableDataset(batch_size=B, reuse_batches=True)`` (``pipeline/dataset``:
   one ``index_select`` per ready chunk of slots), or with
   ``StudentClient.request_sample``, ``batch[i].copy_(ref.tensors["x"])`` and
-  ``release_slot`` (``pipeline/client``: one copy per sample).
+  ``release_slot`` (``pipeline/client``: one copy per sample). Workers announce filled
+  slots to the student directly (``distill/pipeline/notices.py``);
+  ``pipeline/relay`` is the dataset with ``notices=False``, every completion relayed
+  by the broker (four ZeroMQ hops per round trip instead of two plus one datagram).
 - ``tcp pipeline``: the same with the network medium (``medium="tcp"``): the
   workers are told not to map the student's segment, so every sample crosses
   loopback TCP (worker staging buffer -> ZeroMQ -> the student's slot -> batch).
@@ -53,6 +56,11 @@ load spoils a sub-window, not the cell). The memcpy reference is measured twice
 per size, before and after the other methods, and the faster run is kept. Ratios
 compare cells of the same run.
 
+``round trip`` (method ``rtt``): the control path alone. A student with one 4 KiB
+slot asks for it, takes it and gives it back, over and over, served by one worker
+with ``max_batch=1``: microseconds per round trip, with notices and relayed by the
+broker, alternating, three windows each (median).
+
 ``--auth`` adds the pipeline cells over TCP loopback, without and with CurveZMQ
 (``pipeline/<consumer> tcp`` and ``... tcp+curve``), and a table of their ratio:
 the throughput cost of authentication. Only control messages (REQUEST, WORK, DONE,
@@ -70,6 +78,7 @@ Run it from the repository root::
     python bench/pipeline.py --auth --methods dataset,client   # + TCP, TCP + CurveZMQ
     python bench/pipeline.py --sizes 4MiB --methods memcpy,handoff,pipe,dataset --slot-count 6
                                            # every ring and the student's pool: 6 slots
+    python bench/pipeline.py --methods dataset,relay,rtt   # notices against broker relay
 
 Ctrl-C stops it cleanly: child processes are stopped (and die with this process
 anyhow), shared-memory segments are unlinked, IPC sockets removed.
@@ -584,12 +593,52 @@ def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpo
         return
     dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
                                      endpoints["frontend"], batch_size=size.batch_size,
-                                     timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True, curve=curve)
+                                     timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True, curve=curve,
+                                     notices=consumer != "relay")
     batches = iter(dataset)
     try:
         yield lambda it=batches: len(next(it)["x"])
     finally:
         batches.close()  # its pool unlinks the student's segment
+
+
+def bench_round_trip(endpoints: dict[str, str], seconds: float) -> dict[str, list[float]]:
+    """Microseconds per one-slot round trip (ask, fill, take, give back), with notices
+    and relayed by the broker, alternating: three windows of ``seconds / 3`` each."""
+    config = sample_config(4 << 10)
+    times: dict[str, list[float]] = {"notices": [], "relay": []}
+    with Children() as kids:
+        kids.start(run_worker, endpoints, 4 << 10, 1)
+        for _ in range(3):
+            for label in times:
+                with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
+                                   endpoints["control_pub"], notices=label == "notices") as client:
+                    client.hello()
+                    client.set_model("bench-round-trip")
+                    times[label].append(_round_trips(client, seconds / 3))
+    return times
+
+
+def _round_trips(client: StudentClient, seconds: float) -> float:
+    """Warm up, then take and give back the one slot for ``seconds``: us per round trip."""
+    count, started = -50, 0.0
+    while count < 0 or time.perf_counter() - started < seconds:
+        ref = client.request_sample(timeout_ms=FIRST_BATCH_TIMEOUT_S * 1000)
+        if ref is None:
+            raise TimeoutError("no sample from the pipeline")
+        client.release_slot(ref.slot_id)
+        count += 1
+        if count == 0:
+            started = time.perf_counter()
+    return (time.perf_counter() - started) / max(count, 1) * 1e6
+
+
+def print_round_trip(times: dict[str, list[float]]) -> None:
+    print("\ncontrol path: one 4 KiB slot asked for, filled, taken and given back (us per round trip, "
+          "median of 3 windows; 1 worker, max_batch=1)")
+    print(f"{'notices':>10} {'relay':>10} {'relay / notices':>16}")
+    notices, relay = statistics.median(times["notices"]), statistics.median(times["relay"])
+    print(f"{notices:>10.0f} {relay:>10.0f} {relay / notices:>16.2f}")
 
 
 def bench_zmq(size: Size, seconds: float) -> Iterator[Result]:
@@ -755,20 +804,23 @@ def print_cpu(results: list[Result]) -> None:
 
 # --------------------------------------------------------------------------- main
 def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_bytes: int,
-            auth: bool = False) -> list[Result]:
-    """Every method for every size; one broker process per transport serves its pipeline cells."""
+            auth: bool = False, round_trip: dict[str, list[float]] | None = None) -> list[Result]:
+    """Every method for every size; one broker process per transport serves its pipeline
+    cells. With ``rtt`` in ``methods``, ``round_trip`` gets the control path's times."""
     results: list[Result] = []
     ring = None
     if "memcpy" in methods:
         ring = torch.empty(ring_bytes, dtype=torch.uint8)
         ring.fill_(1)  # touch every page once, outside any window
-    consumers = [c for c in ("dataset", "client") if c in methods]
+    consumers = [c for c in ("dataset", "relay", "client") if c in methods]
     sock_dir = tempfile.mkdtemp(prefix="distill-bench-")
     try:
         with Children() as shared:
-            routes = transports(sock_dir, auth) if consumers or "tcp" in methods else []
+            routes = transports(sock_dir, auth) if consumers or {"tcp", "rtt"} & methods else []
             for route in routes:
                 route.broker_pid = shared.start(run_broker, route.endpoints, route.broker)
+            if "rtt" in methods and round_trip is not None:
+                round_trip.update(bench_round_trip(routes[0].endpoints, seconds))
             for size in sizes:
                 cells: list[Result] = []
                 if ring is not None:  # the reference: its faster half, before or after the others
@@ -807,9 +859,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=None,
                         help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
-    parser.add_argument("--methods", default="memcpy,filler,handoff,pipe,queue,dataloader,dataset,client,zmq,tcp",
+    parser.add_argument("--methods",
+                        default="memcpy,filler,handoff,pipe,queue,dataloader,dataset,relay,client,zmq,tcp,rtt",
                         help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, pipe, queue, "
-                             "dataloader, dataset, client, zmq, tcp")
+                             "dataloader, dataset, relay, client, zmq, tcp, rtt")
     parser.add_argument("--slot-count", type=int, default=None,
                         help="slots of every size's rings and student pool (default: each size's own)")
     parser.add_argument("--auth", action="store_true",
@@ -833,7 +886,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("distill").setLevel(logging.WARNING)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     try:
-        results = run_all(sizes, methods, seconds, QUICK_RING_BYTES if args.quick else RING_BYTES, args.auth)
+        round_trip: dict[str, list[float]] = {}
+        results = run_all(sizes, methods, seconds, QUICK_RING_BYTES if args.quick else RING_BYTES, args.auth,
+                          round_trip)
     except KeyboardInterrupt:
         print("\ninterrupted: children stopped, shared memory released", file=sys.stderr)
         return 130
@@ -851,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.auth:
         print_auth_cost(results)
     print_cpu(results)
+    if round_trip:
+        print_round_trip(round_trip)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 
