@@ -65,7 +65,9 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""Bumped when a peer of the previous version would refuse or misread a message
+(2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
