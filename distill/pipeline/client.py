@@ -336,7 +336,7 @@ class SlotPool:
     def _ignore_notice(self, slot: int, generation: int, req: int) -> None:
         """A notice for a pending slot whose header is not (yet) the one asked for."""
         problem = check_slot(self.medium.slot_view(slot), generation, req, self.payload_bytes)
-        if problem is None:  # the quick check's false alarm: the slow one accepts it
+        if problem is None:  # checksummed: the quick check leaves those to the full one
             self.counts["accepted"] += 1
             self._ready.append((slot, generation, req))
             return

@@ -23,7 +23,8 @@ A notice is only ever a hint that gets the same checks as the broker's COMPLETE
 so a late, repeated or forged notice is refused like a foreign COMPLETE. Failed
 and stale slots are never notified: they still go through the broker. A notice
 that cannot be sent (no inbox: another machine, another socket directory, a
-network-medium student, a student gone; or its queue is full) costs nothing but
+network-medium student, a student gone; or its queue is full: the kernel holds at
+most ``net.unix.max_dgram_qlen`` datagrams per inbox, often 10) costs nothing but
 the fallback: the worker does not list that segment, and the broker completes it.
 """
 
@@ -66,7 +67,7 @@ def encode_notice(generation: int, slots: list[list]) -> bytes:
     return msgpack.packb(frames, use_bin_type=True)
 
 
-def decode_notice(data: bytes) -> Message:
+def decode_notice(data: bytes | memoryview) -> Message:
     """Parse and validate one datagram; ProtocolError on anything but a COMPLETE."""
     try:
         frames = msgpack.unpackb(data, raw=True)
@@ -108,6 +109,8 @@ class NoticeInbox:
     def __init__(self, sock: socket.socket, path: Path) -> None:
         self._sock = sock
         self.path = path
+        self._buffer = bytearray(MAX_NOTICE_BYTES)
+        self._view = memoryview(self._buffer)
         self._finalizer = weakref.finalize(self, _remove, sock, path)
 
     @classmethod
@@ -144,11 +147,11 @@ class NoticeInbox:
         messages = []
         while True:
             try:
-                data = self._sock.recv(MAX_NOTICE_BYTES)
+                size = self._sock.recv_into(self._buffer)
             except (BlockingIOError, InterruptedError):
                 return messages
             try:
-                messages.append(decode_notice(data))
+                messages.append(decode_notice(self._view[:size]))
             except ProtocolError as exc:
                 log.warning("%s: bad notice dropped: %s", self.path.name, exc.reason)
 
