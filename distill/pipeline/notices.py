@@ -52,7 +52,8 @@ NOTICE_SUFFIX = ".notice"
 MAX_PATH_BYTES = 107
 """sun_path holds 108 bytes with the terminating NUL (Linux)."""
 MAX_NOTICE_BYTES = 1 << 20
-"""Largest datagram an inbox reads (a notice of 65,536 slots is about 1 MiB)."""
+"""Largest datagram an inbox reads, and so the largest a worker sends (about 65,000
+slots; the kernel's send buffer, ``net.core.wmem_default``, usually caps it lower)."""
 INBOX_BUFFER_BYTES = 1 << 20
 
 
@@ -173,8 +174,12 @@ class NoticeOutbox:
     def send(self, segment: str, generation: int, slots: list[list]) -> bool:
         """Notify the owner of ``segment``; False when it cannot be reached now (the
         broker's COMPLETE must then carry these slots)."""
+        data = encode_notice(generation, slots)
+        if len(data) > MAX_NOTICE_BYTES:  # an inbox would read it truncated, and drop it
+            self.missed += 1
+            return False
         try:
-            self._sock.sendto(encode_notice(generation, slots), os.fspath(notice_path(segment, self._directory)))
+            self._sock.sendto(data, os.fspath(notice_path(segment, self._directory)))
         except OSError as exc:
             self.missed += 1
             if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.ENOBUFS):

@@ -12,9 +12,15 @@ import time
 import msgpack
 import pytest
 
-from distill.pipeline import Broker, StudentClient, Worker, protocol
+from distill.pipeline import Broker, StudentClient, Worker, notices, protocol
 from distill.pipeline.mediums.shm import sweep_orphans
-from distill.pipeline.notices import NoticeInbox, encode_notice, notice_path, sweep_inboxes
+from distill.pipeline.notices import (
+    NoticeInbox,
+    NoticeOutbox,
+    encode_notice,
+    notice_path,
+    sweep_inboxes,
+)
 from distill.pipeline.protocol import Command
 from tests import peers
 
@@ -186,3 +192,20 @@ def test_sweep_takes_only_inboxes_whose_segment_is_gone(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst_live_1_1.notice", "frontend.sock"]
     (tmp_path / "dst_young_1_1.notice").touch()
     assert sweep_inboxes(lambda segment: False, tmp_path, min_age_s=60) == []  # its owner may be binding it
+
+
+def test_a_notice_an_inbox_could_not_read_whole_is_not_sent(tmp_path, monkeypatch) -> None:
+    """An inbox reads at most MAX_NOTICE_BYTES and would drop a truncated datagram, so
+    a larger notice goes through the broker (the kernel's send buffer, usually smaller,
+    hides this bound on most machines: here it is lowered below the kernel's)."""
+    inbox = NoticeInbox.open("dst_big_1_1", tmp_path)
+    outbox = NoticeOutbox(tmp_path)
+    monkeypatch.setattr(notices, "MAX_NOTICE_BYTES", 256)
+    try:
+        assert outbox.send("dst_big_1_1", 1, [[0, 2**55, True]])
+        assert not outbox.send("dst_big_1_1", 1, [[slot, 2**55 + slot, True] for slot in range(20)])
+        assert [m.body["slots"] for m in inbox.receive()] == [[[0, 2**55, True]]]
+        assert (outbox.sent, outbox.missed) == (1, 1)
+    finally:
+        outbox.close()
+        inbox.close()
