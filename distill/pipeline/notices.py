@@ -55,6 +55,7 @@ MAX_NOTICE_BYTES = 1 << 20
 """Largest datagram an inbox reads, and so the largest a worker sends (about 65,000
 slots; the kernel's send buffer, ``net.core.wmem_default``, usually caps it lower)."""
 INBOX_BUFFER_BYTES = 1 << 20
+MAX_CACHED_PATHS = 1024
 
 
 def notice_path(segment: str, directory: Path | None = None) -> Path:
@@ -167,7 +168,9 @@ class NoticeOutbox:
     def __init__(self, directory: Path | None = None) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self._directory = directory
+        self._directory = directory or runtime_dir()
+        self._paths: dict[str, str] = {}
+        """segment -> its inbox's path (the worker maps at most MAX_ATTACHED_SEGMENTS)."""
         self.sent = 0
         self.missed = 0
 
@@ -178,8 +181,13 @@ class NoticeOutbox:
         if len(data) > MAX_NOTICE_BYTES:  # an inbox would read it truncated, and drop it
             self.missed += 1
             return False
+        path = self._paths.get(segment)
+        if path is None:
+            if len(self._paths) >= MAX_CACHED_PATHS:
+                self._paths.clear()
+            path = self._paths[segment] = os.fspath(notice_path(segment, self._directory))
         try:
-            self._sock.sendto(data, os.fspath(notice_path(segment, self._directory)))
+            self._sock.sendto(data, path)
         except OSError as exc:
             self.missed += 1
             if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.ENOBUFS):
