@@ -250,11 +250,13 @@ class BackgroundBatches:
                 close()
 
     def _put(self, item: object) -> bool:
-        """Hand ``item`` over, waiting for room; False once told to stop."""
+        """Hand ``item`` over, waiting for room; False once told to stop, also when the
+        stop came while it was being handed over (``close`` makes room to wake us): the
+        iterator is then not advanced again (a dataset would fill one more batch)."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=POLL_S)
-                return True
+                return not self._stop.is_set()
             except queue.Full:
                 continue
         return False
