@@ -242,9 +242,6 @@ class SlotPool:
                 return []
             if self._data_sock is not None:
                 self._wait_network(min(left, self._heart.interval_s))
-            elif self._inbox is None:
-                if self._sock.poll(min(left, self._heart.interval_s) * 1000):
-                    self._drain()
             elif self._poller.poll(min(left, self._heart.interval_s) * 1000):
                 self._take_notices()
                 self._drain()
@@ -328,22 +325,7 @@ class SlotPool:
             self._ready.extend(zip(slots, [generation] * len(slots), reqs, strict=True))
             return
         for slot, req, match in zip(slots, reqs, matches.tolist(), strict=True):
-            if notice and not match:
-                self._ignore_notice(slot, generation, req)
-            else:
-                self._accept_or_refuse(slot, generation, req, match)
-
-    def _ignore_notice(self, slot: int, generation: int, req: int) -> None:
-        """A notice for a pending slot whose header is not (yet) the one asked for."""
-        problem = check_slot(self.medium.slot_view(slot), generation, req, self.payload_bytes)
-        if problem is None:  # checksummed: the quick check leaves those to the full one
-            self.counts["accepted"] += 1
-            self._ready.append((slot, generation, req))
-            return
-        self._pending[slot] = req
-        self.counts["rejected"] += 1
-        self._refusals.warning("%s: notice for slot %d ignored (%s); it stays pending", self.peer_id, slot,
-                               problem)
+            self._accept_or_refuse(slot, generation, req, match, notice=notice)
 
     def _on_failed_fill(self, slot: int) -> None:
         """A worker could not fill the slot: ask again, backing off while failures persist."""
@@ -361,11 +343,19 @@ class SlotPool:
             time.sleep(min(BACKOFF_MAX_S, 0.001 * 2 ** (n - FAILURES_BEFORE_BACKOFF)))
         self._queue_request(slot)
 
-    def _accept_or_refuse(self, slot: int, generation: int, req: int, match: bool) -> None:
+    def _accept_or_refuse(self, slot: int, generation: int, req: int, match: bool, *,
+                          notice: bool = False) -> None:
         """One completed slot, its header already compared: the slow check (checksum,
-        and the reason to log) decides when the quick one did not accept it."""
+        and the reason to log) decides when the quick one did not accept it. A refused
+        ``notice`` leaves the slot pending (see ``_on_complete``)."""
         problem = None if match else check_slot(self.medium.slot_view(slot), generation, req,
                                                 self.payload_bytes)
+        if problem is not None and notice:
+            self._pending[slot] = req
+            self.counts["rejected"] += 1
+            self._refusals.warning("%s: notice for slot %d ignored (%s); it stays pending", self.peer_id,
+                                   slot, problem)
+            return
         if problem is not None and self._data_sock is not None and slot not in self._awaiting \
                 and self._headers[slot]["request_id"] == 0:  # header never written: data on its way
             self._awaiting[slot] = (generation, req, time.monotonic() + DATA_WAIT_S)
