@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import secrets
 import threading
@@ -119,6 +120,7 @@ class SlotPool:
         self._ctx = zmq.Context()
         self._sock = secure_client(protocol.configure(self._ctx.socket(zmq.DEALER)), keys)
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
+        self._sock.setsockopt(zmq.SNDTIMEO, protocol.SEND_RETRY_MS)  # see _send
         self._sock.connect(frontend_endpoint)
         self._inbox = NoticeInbox.open(self.medium.buf_name) if notices and self._data_sock is None else None
         """Workers on this machine announce filled slots here, past the broker (``notices.py``)."""
@@ -195,10 +197,21 @@ class SlotPool:
             self._meet_broker()
         slots = [[s, self._pending[s]] for s in self._to_request if s in self._pending]
         self._to_request.clear()
-        protocol.send(self._sock, Command.REQUEST, {
+        self._send(Command.REQUEST, {
             "run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
             "medium": self.medium.buf_name, "stride": self.medium.slot_stride, "slots": slots,
         })
+
+    def _send(self, command: Command, body: dict[str, Any], deadline: float = math.inf) -> None:
+        """Send to the broker, raising rather than blocking forever when it refuses our key
+        (ZeroMQ then has no route for the message) or ``deadline`` passes."""
+        def go_on() -> bool:
+            self._check_refused()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.peer_id}: could not send {command.name} to the broker at "
+                                   f"{self._sock.last_endpoint.decode()}: is it running?")
+            return True
+        protocol.send_patiently(self._sock, command, body, go_on)
 
     def _meet_broker(self) -> None:
         """Before the first REQUEST: learn which broker instance will hold it.
@@ -501,9 +514,8 @@ class SlotPool:
         self.flush()
 
     def hello(self, rank: int, timeout_ms: float = CONTROL_TIMEOUT_MS) -> dict[str, Any]:
-        protocol.send(self._sock, Command.HELLO, {"run_id": self.run_id, "peer_id": self.peer_id,
-                                                  "rank": rank})
         deadline = time.monotonic() + timeout_ms / 1000
+        self._send(Command.HELLO, {"run_id": self.run_id, "peer_id": self.peer_id, "rank": rank}, deadline)
         while (left := deadline - time.monotonic()) > 0:
             self._check_refused()
             if self._sock.poll(min(left, 0.1) * 1000):
@@ -542,8 +554,7 @@ class SlotPool:
             return
         self._closed = True
         self._heart.stop()
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.setsockopt(zmq.SNDTIMEO, 100)  # no route to the broker (refused key): skip BYE
+        with contextlib.suppress(zmq.ZMQError):  # no route to the broker (refused key): skip BYE
             protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
         self._sock.close(linger=100)
         self._ctx.term()

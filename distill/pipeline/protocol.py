@@ -59,6 +59,7 @@ request id and generation. A WORK without ``runs`` is the plain, one-run WORK.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -403,6 +404,32 @@ def send(sock: zmq.Socket, command: Command, body: dict[str, Any] | None = None,
     for frame in first:
         sock.send(frame, _SNDMORE)
     sock.send(last, 0, copy=len(last) < ZERO_COPY_MIN_BYTES)
+
+
+SEND_RETRY_MS = 100
+"""Send timeout of the sockets sent on with :func:`send_patiently`: how often a blocked
+send looks up from waiting to ask whether to go on."""
+
+
+def send_patiently(sock: zmq.Socket, command: Command, body: dict[str, Any] | None,
+                   go_on: Callable[[], bool]) -> bool:
+    """Send one message, waiting as long as ``go_on()`` says to; False when it gave up.
+
+    A DEALER blocks a send while it has no route to its peer, and a send without a
+    timeout blocks forever: that happens to a client whose CurveZMQ key the broker
+    refuses (ZeroMQ drops the pipe after the failed handshake) and behind a full queue
+    to a broker that is gone. ``sock`` needs ``SNDTIMEO`` (:data:`SEND_RETRY_MS`): each
+    time it runs out ``go_on`` is asked, and may raise the reason to stop instead.
+    Only the first frame of a message can time out, so a message is sent whole or not
+    at all.
+    """
+    while True:
+        try:
+            send(sock, command, body)
+            return True
+        except zmq.Again:
+            if not go_on():
+                return False
 
 
 def readable(sock: zmq.Socket) -> bool:

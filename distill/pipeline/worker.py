@@ -169,6 +169,7 @@ class Worker:
         self.notify_students = notify_students
         """Tell students on this machine about filled slots directly (``notices.py``)."""
         self._outbox: NoticeOutbox | None = None
+        self._heart: Heartbeater | None = None
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], dict[int, dict[int, str]], Deferred] | None = None
 
@@ -187,12 +188,14 @@ class Worker:
         ctx = zmq.Context()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), self._keys)
         sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
+        sock.setsockopt(zmq.SNDTIMEO, protocol.SEND_RETRY_MS)  # see _send
         sock.connect(self.backend_endpoint)
         sub = secure_client(protocol.configure(ctx.socket(zmq.SUB)), self._keys)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.control_pub_endpoint)
         heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=self.heartbeat_interval_s,
                             liveness=self.heartbeat_liveness, keys=self._keys).start()
+        self._heart = heart
         self._outbox = NoticeOutbox() if self.notify_students else None
         try:
             self._serve(sock, sub, heart)
@@ -200,8 +203,7 @@ class Worker:
             if self._outbox is not None:
                 self._outbox.close()
             heart.stop()
-            sock.setsockopt(zmq.SNDTIMEO, 100)  # no route to the broker (refused key): skip BYE
-            with contextlib.suppress(zmq.Again):
+            with contextlib.suppress(zmq.Again):  # no route to the broker (refused key): skip BYE
                 protocol.send(sock, Command.BYE, {"peer_id": self.peer_id})
             sock.close(linger=100)
             sub.close(linger=0)
@@ -241,10 +243,19 @@ class Worker:
         finally:
             self._finish_deferred(sock)
 
+    def _send(self, sock: zmq.Socket, command: Command, body: dict) -> None:
+        """Send to the broker, raising rather than blocking forever when it refuses our key
+        (ZeroMQ then has no route for the message); given up when we are stopping."""
+        def go_on() -> bool:
+            if self._heart is not None and self._heart.refusal is not None:
+                raise PermissionError(f"worker {self.peer_id}: {self._heart.refusal}")
+            return not self._stop.is_set()
+        protocol.send_patiently(sock, command, body, go_on)
+
     def _ready(self, sock: zmq.Socket) -> None:
         # The process token lets a student whose slots we hold see when we are gone.
-        protocol.send(sock, Command.READY, {"peer_id": self.peer_id, "credit": self.capacity,
-                                            "max_batch": self.max_batch, "process": process_token()})
+        self._send(sock, Command.READY, {"peer_id": self.peer_id, "credit": self.capacity,
+                                         "max_batch": self.max_batch, "process": process_token()})
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         forgotten = heart.forgotten.is_set()
@@ -267,7 +278,7 @@ class Worker:
                 continue
             if msg.command is Command.WORK:
                 items = len(msg.body["items"])
-                protocol.send(sock, Command.DONE, {
+                self._send(sock, Command.DONE, {
                     "peer_id": self.peer_id, "work_id": msg.body["work_id"], "num_items": items,
                     "failed": [[idx, "stale"] for idx in range(items)],
                 })
@@ -300,7 +311,7 @@ class Worker:
             except ProtocolError as exc:
                 self._refusals.warning("worker %s: refused message from broker: %s", self.peer_id,
                                        exc.reason)
-                protocol.send(sock, Command.ERROR, {"reason": exc.reason[:protocol.MAX_STRING_CHARS]})
+                self._send(sock, Command.ERROR, {"reason": exc.reason[:protocol.MAX_STRING_CHARS]})
                 continue
             if msg.command is Command.WORK:
                 works.append(msg)
@@ -310,7 +321,7 @@ class Worker:
             else:
                 reason = f"command {msg.command.name} not accepted by a worker"
                 log.warning("worker %s: %s", self.peer_id, reason)
-                protocol.send(sock, Command.ERROR, {"reason": reason, "command": msg.command.name})
+                self._send(sock, Command.ERROR, {"reason": reason, "command": msg.command.name})
         return works
 
     # ------------------------------------------------------------------ filling
@@ -348,7 +359,7 @@ class Worker:
             notified = self._notify(body, failures) if self._outbox is not None else []
             if notified:
                 done["notified"] = notified
-            protocol.send(sock, Command.DONE, done)
+            self._send(sock, Command.DONE, done)
 
     def _notify(self, body: dict, failures: dict[int, str]) -> list[str]:
         """Tell the students whose shared memory we filled, straight to their inboxes

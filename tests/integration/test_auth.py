@@ -94,6 +94,14 @@ def test_student_without_allowed_key_gets_no_service_and_cannot_switch_model(
                 intruder.set_model("evil")
             with pytest.raises(PermissionError, match="refused this peer's key"):
                 intruder.request_sample(timeout_ms=5000)
+            # Once ZeroMQ has given up on the refused connection the pool has no route to the
+            # broker at all: a send then waits for one, and must still end with the reason.
+            with StudentClient(0, 4, peers.batch_config(), *eps, heartbeat_interval_s=0.2,
+                               curve=rogue) as late:
+                time.sleep(3)
+                for attempt in (late.hello, lambda: late.request_sample(timeout_ms=5000)):
+                    with pytest.raises(PermissionError, match="refused this peer's key"):
+                        attempt()
         # A raw CURVE socket with the rogue key, sending SET_MODEL and STOP itself: no answer.
         ctx = zmq.Context.instance()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), rogue.client_keys())

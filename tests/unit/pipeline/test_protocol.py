@@ -6,6 +6,7 @@ import contextlib
 
 import msgpack
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from distill.pipeline.protocol import (
     ProtocolError,
     decode,
     encode,
+    send_patiently,
 )
 
 VALID = {
@@ -115,3 +117,50 @@ def test_bad_notices_raise_protocol_error(datagram: bytes, reason: str) -> None:
 def test_random_datagrams_never_crash_the_notice_decoder(datagram: bytes) -> None:
     with contextlib.suppress(ProtocolError):
         decode_notice(datagram)
+
+
+@pytest.fixture
+def dealer():
+    """A DEALER with a send timeout and, so far, no route anywhere (nothing connected)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDTIMEO, 10)
+    sock.setsockopt(zmq.LINGER, 0)
+    yield sock
+    sock.close()
+
+
+def test_send_patiently_asks_whether_to_go_on_while_there_is_no_route(dealer) -> None:
+    asked = []
+
+    def three_times() -> bool:
+        asked.append(1)
+        return len(asked) < 3
+
+    def refused() -> bool:
+        raise PermissionError("refused")
+
+    assert not send_patiently(dealer, Command.RELEASE, VALID[Command.RELEASE], three_times)
+    assert len(asked) == 3  # asked after each timeout, given up when told to
+    with pytest.raises(PermissionError, match="refused"):
+        send_patiently(dealer, Command.RELEASE, VALID[Command.RELEASE], refused)
+
+
+def test_send_patiently_sends_the_whole_message_once_a_route_appears(dealer) -> None:
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    asked = []
+
+    def connect_on_second_ask() -> bool:
+        asked.append(1)
+        if len(asked) == 2:
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+        return True
+
+    try:
+        assert send_patiently(dealer, Command.RELEASE, VALID[Command.RELEASE], connect_on_second_ask)
+        assert router.poll(5000)
+        _identity, *frames = router.recv_multipart()
+        assert decode(frames).body == VALID[Command.RELEASE] and len(asked) == 2
+    finally:
+        router.close()
