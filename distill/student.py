@@ -216,7 +216,7 @@ class StageTrainer:
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
             heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, medium=ctx.cfg.pipeline.medium,
             tcp_host=ctx.cfg.pipeline.tcp_host, curve=curve_config(ctx.cfg), pin_memory=cuda and workers == 0,
-            notices=ctx.cfg.pipeline.notices)
+            notices=ctx.cfg.pipeline.notices, notice_dir=ctx.cfg.pipeline.socket_dir)
         if workers == 0 and self.scfg.prefetch_batches > 0:
             self.loader = None  # the dataset's own iterator, in a thread that gathers ahead
             self._background = BackgroundBatches(dataset.__iter__, self.scfg.prefetch_batches,
@@ -440,7 +440,7 @@ def _setup_context(cfg: DictConfig) -> StudentContext:
     client = StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                            run_id=run_id(cfg), heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
                            heartbeat_liveness=cfg.pipeline.heartbeat_liveness, curve=curve_config(cfg),
-                           share_model=cfg.pipeline.fan_out)
+                           share_model=cfg.pipeline.fan_out, notices=False)  # control only: no samples
     client.hello()
     if rank != 0:
         client.start_sub_listener()

@@ -23,12 +23,14 @@ import contextlib
 import logging
 import math
 import multiprocessing as mp
+import os
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,9 +96,10 @@ class SlotPool:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, curve: CurveConfig | ClientKeys | None = None,
-                 notices: bool = True) -> None:
+                 notices: bool = True, notice_dir: str | os.PathLike | None = None) -> None:
         keys = curve.client_keys() if isinstance(curve, CurveConfig) else curve  # before any resource
-        sweep_orphans()
+        notice_dir = Path(notice_dir) if notice_dir is not None else None
+        sweep_orphans(inbox_dir=notice_dir)
         self.run_id = run_id
         self.payload_bytes = payload_bytes
         self.peer_id = new_peer_id(role)
@@ -122,8 +125,10 @@ class SlotPool:
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.setsockopt(zmq.SNDTIMEO, protocol.SEND_RETRY_MS)  # see _send
         self._sock.connect(frontend_endpoint)
-        self._inbox = NoticeInbox.open(self.medium.buf_name) if notices and self._data_sock is None else None
-        """Workers on this machine announce filled slots here, past the broker (``notices.py``)."""
+        self._inbox = (NoticeInbox.open(self.medium.buf_name, notice_dir)
+                       if notices and self._data_sock is None else None)
+        """Workers on this machine announce filled slots here, past the broker (``notices.py``);
+        in ``notice_dir`` (default: the default socket directory), where they must look too."""
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         if self._inbox is not None:
@@ -585,7 +590,8 @@ class StudentClient:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, leader_epoch: int | None = None,
-                 curve: CurveConfig | None = None, share_model: bool = False, notices: bool = True) -> None:
+                 curve: CurveConfig | None = None, share_model: bool = False, notices: bool = True,
+                 notice_dir: str | os.PathLike | None = None) -> None:
         self.student_rank = student_rank
         # Fan-out opt-in: this run's slots may get samples the teacher made for other
         # runs of the same model (one teacher pass for a whole sweep; see broker.py).
@@ -607,7 +613,7 @@ class StudentClient:
                               self._current_generation, self._note_generation,
                               heartbeat_interval_s=heartbeat_interval_s,
                               heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host,
-                              curve=self._keys, notices=notices)
+                              curve=self._keys, notices=notices, notice_dir=notice_dir)
         self._pool.on_rejoin = self._rejoin
         self._control_lock = threading.Lock()  # a restore never interleaves with a switch
         self._keeper: threading.Thread | None = None

@@ -69,7 +69,7 @@ class DistillIterableDataset(IterableDataset):
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, curve: CurveConfig | None = None,
-                 pin_memory: bool = False, notices: bool = True) -> None:
+                 pin_memory: bool = False, notices: bool = True, notice_dir: str | None = None) -> None:
         super().__init__()
         _check_pin_memory(pin_memory, batch_size, reuse_batches)
         if reuse_batches and batch_size is None:
@@ -98,6 +98,9 @@ class DistillIterableDataset(IterableDataset):
         self.pin_memory = pin_memory
         self.notices = notices
         """Let workers on this machine announce filled slots directly (``notices.py``)."""
+        self.notice_dir = notice_dir
+        """Where the inbox for those notices goes (None: the default socket directory); the
+        workers must be given the same (``Worker(notice_dir=...)``)."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
@@ -124,7 +127,8 @@ class DistillIterableDataset(IterableDataset):
                         role=f"dataset{self.student_rank}",
                         heartbeat_interval_s=self.heartbeat_interval_s,
                         heartbeat_liveness=self.heartbeat_liveness, medium=self.medium,
-                        tcp_host=self.tcp_host, curve=self.curve, notices=self.notices)
+                        tcp_host=self.tcp_host, curve=self.curve, notices=self.notices,
+                        notice_dir=self.notice_dir)
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.

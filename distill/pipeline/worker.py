@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -130,7 +131,8 @@ class Worker:
                  prefetch_batches: int = 2, checksum: bool = False,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, local_shm: bool = True,
-                 curve: CurveConfig | None = None, notify_students: bool = True) -> None:
+                 curve: CurveConfig | None = None, notify_students: bool = True,
+                 notice_dir: str | os.PathLike | None = None) -> None:
         if (generator_fn is None) == (batch_fn is None):
             raise ValueError("Worker needs exactly one of generator_fn= (per sample) or batch_fn= (batched)")
         if slot_size is None:
@@ -168,6 +170,8 @@ class Worker:
         self._sender = TcpSender()
         self.notify_students = notify_students
         """Tell students on this machine about filled slots directly (``notices.py``)."""
+        self.notice_dir = Path(notice_dir) if notice_dir is not None else None
+        """Where those students' inboxes are (None: the default socket directory)."""
         self._outbox: NoticeOutbox | None = None
         self._heart: Heartbeater | None = None
         self._refusals = LogThrottle(log)
@@ -196,7 +200,7 @@ class Worker:
         heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=self.heartbeat_interval_s,
                             liveness=self.heartbeat_liveness, keys=self._keys).start()
         self._heart = heart
-        self._outbox = NoticeOutbox() if self.notify_students else None
+        self._outbox = NoticeOutbox(self.notice_dir) if self.notify_students else None
         try:
             self._serve(sock, sub, heart)
         finally:

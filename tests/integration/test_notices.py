@@ -6,8 +6,11 @@ the broker's COMPLETE without losing, doubling or tearing a sample."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -70,6 +73,44 @@ def test_notices_turned_off_go_through_the_broker(procs, endpoints, broker_kwarg
         worker.stop()
         broker.stop()
     assert broker.stats.notified == 0 and broker.stats.completed >= 200
+
+
+@pytest.fixture
+def notice_dirs():
+    """Two short private directories (a Unix socket path has at most 107 bytes)."""
+    dirs = [Path(tempfile.mkdtemp(prefix="dn-")) for _ in range(2)]
+    yield dirs
+    for directory in dirs:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("worker_looks", ["same", "elsewhere"])
+def test_inboxes_live_in_the_notice_dir_both_sides_are_given(endpoints, broker_kwargs, notice_dirs,
+                                                            worker_looks: str) -> None:
+    """``notice_dir`` (the app passes ``pipeline.socket_dir``) moves the inbox; a worker
+    told the same directory notifies, one that looks elsewhere leaves it to the broker."""
+    student_dir, other_dir = notice_dirs
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                    heartbeat_interval_s=0.2,
+                    notice_dir=student_dir if worker_looks == "same" else other_dir).start()
+    try:
+        with _client(endpoints, notice_dir=str(student_dir)) as client:
+            inbox = client._pool._inbox.path
+            assert inbox.parent == student_dir and inbox.is_socket()
+            assert not notice_path(client._pool.medium.buf_name).exists()  # not in the default directory
+            generation = client.set_model(f"dir-{worker_looks}")
+            peers.consume_verified(client, generation, 200)
+            notices_taken = client._pool.counts["notices"]
+        assert not inbox.exists()  # closing the pool removed it
+    finally:
+        worker.stop()
+        broker.stop()
+    if worker_looks == "same":
+        assert notices_taken > 0 and broker.stats.notified > 0
+    else:
+        assert notices_taken == 0 and broker.stats.notified == 0 and broker.stats.completed >= 200
 
 
 def test_an_inbox_that_vanishes_falls_back_to_the_broker(procs, endpoints, broker_kwargs) -> None:

@@ -32,6 +32,7 @@ import secrets
 import stat
 import time
 import weakref
+from pathlib import Path
 
 from distill.pipeline.mediums.base import MediumBase
 from distill.pipeline.notices import sweep_inboxes
@@ -206,9 +207,10 @@ def list_segments() -> list[str]:
         return []
 
 
-def sweep_orphans(min_age_s: float = 2.0) -> list[str]:
+def sweep_orphans(min_age_s: float = 2.0, inbox_dir: Path | None = None) -> list[str]:
     """Unlink our segments whose owner is gone (nobody holds their lock), and the notice
-    inboxes (``notices.py``) of segments that are gone. Returns the segments."""
+    inboxes (``notices.py``, in ``inbox_dir`` or the default socket directory) of
+    segments that are gone. Returns the segments."""
     swept = []
     now = time.time()
     for name in list_segments():
@@ -226,7 +228,8 @@ def sweep_orphans(min_age_s: float = 2.0) -> list[str]:
             os.close(fd)
         _unlink(name)
         swept.append(name)
-    sweep_inboxes(lambda segment: os.path.exists(os.path.join(SHM_DIR, segment)), min_age_s=min_age_s)
+    sweep_inboxes(lambda segment: os.path.exists(os.path.join(SHM_DIR, segment)), inbox_dir,
+                  min_age_s=min_age_s)
     if swept:
         log.info("swept %d orphaned shared-memory segment(s): %s", len(swept), ", ".join(swept))
     return swept
