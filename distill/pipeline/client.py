@@ -30,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,7 +97,6 @@ class SlotPool:
                  tcp_host: str | None = None, curve: CurveConfig | ClientKeys | None = None,
                  notices: bool = True, notice_dir: str | os.PathLike | None = None) -> None:
         keys = curve.client_keys() if isinstance(curve, CurveConfig) else curve  # before any resource
-        notice_dir = Path(notice_dir) if notice_dir is not None else None
         sweep_orphans(inbox_dir=notice_dir)
         self.run_id = run_id
         self.payload_bytes = payload_bytes

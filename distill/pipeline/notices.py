@@ -8,8 +8,9 @@ many slots must be in flight, and a ring that fits the CPU cache then starves
 for workers that write a student's shared memory:
 
 - A student whose medium is shared memory binds a Unix datagram socket (its
-  *inbox*) named after its segment, in the user's private socket directory
-  (``endpoints.runtime_dir``, mode 0700: only this user can send to it).
+  *inbox*) named after its segment, in a private socket directory (mode 0700:
+  only this user can send to it): ``endpoints.runtime_dir``, or the ``notice_dir``
+  the student and its workers are both given (the app: ``pipeline.socket_dir``).
 - A worker that has written and committed slots of such a segment sends the
   student one datagram per (segment, generation): a COMPLETE body,
   ``{"generation": g, "slots": [[slot, request_id, true], ...]}``, with no I/O
@@ -58,9 +59,14 @@ INBOX_BUFFER_BYTES = 1 << 20
 MAX_CACHED_PATHS = 1024
 
 
-def notice_path(segment: str, directory: Path | None = None) -> Path:
+def inbox_dir(directory: str | os.PathLike | None = None) -> Path:
+    """The directory of the inboxes: ``directory``, or by default the user's socket directory."""
+    return Path(directory) if directory is not None else runtime_dir()
+
+
+def notice_path(segment: str, directory: str | os.PathLike | None = None) -> Path:
     """Where the inbox of the student that owns ``segment`` lives."""
-    return (directory or runtime_dir()) / f"{segment}{NOTICE_SUFFIX}"
+    return inbox_dir(directory) / f"{segment}{NOTICE_SUFFIX}"
 
 
 def encode_notice(generation: int, slots: list[list]) -> bytes:
@@ -83,12 +89,12 @@ def decode_notice(data: bytes | memoryview) -> Message:
     return msg
 
 
-def sweep_inboxes(segment_exists: Callable[[str], bool], directory: Path | None = None,
+def sweep_inboxes(segment_exists: Callable[[str], bool], directory: str | os.PathLike | None = None,
                   min_age_s: float = 2.0) -> list[str]:
     """Remove inboxes whose segment is gone (their owner died without closing them).
     An owner makes its segment before its inbox and removes the inbox first, so a
     live owner's inbox always has its segment. Returns the segments swept."""
-    directory = directory or runtime_dir()
+    directory = inbox_dir(directory)
     swept, now = [], time.time()
     try:
         paths = [p for p in directory.iterdir() if p.name.endswith(NOTICE_SUFFIX)]
@@ -116,7 +122,7 @@ class NoticeInbox:
         self._finalizer = weakref.finalize(self, _remove, sock, path)
 
     @classmethod
-    def open(cls, segment: str, directory: Path | None = None) -> NoticeInbox | None:
+    def open(cls, segment: str, directory: str | os.PathLike | None = None) -> NoticeInbox | None:
         """Bind the inbox of ``segment``; None (notices then go through the broker) when
         the socket directory is not private to this user or the socket cannot be made."""
         path = notice_path(segment, directory)
@@ -165,10 +171,10 @@ class NoticeInbox:
 class NoticeOutbox:
     """A worker's end: one unbound, non-blocking datagram socket for every inbox."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
-        self._directory = directory or runtime_dir()
+        self._directory = inbox_dir(directory)
         self._paths: dict[str, str] = {}
         """segment -> its inbox's path (the worker maps at most MAX_ATTACHED_SEGMENTS)."""
         self.sent = 0

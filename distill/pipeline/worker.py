@@ -39,7 +39,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -170,7 +169,7 @@ class Worker:
         self._sender = TcpSender()
         self.notify_students = notify_students
         """Tell students on this machine about filled slots directly (``notices.py``)."""
-        self.notice_dir = Path(notice_dir) if notice_dir is not None else None
+        self.notice_dir = notice_dir
         """Where those students' inboxes are (None: the default socket directory)."""
         self._outbox: NoticeOutbox | None = None
         self._heart: Heartbeater | None = None

@@ -32,7 +32,6 @@ import secrets
 import stat
 import time
 import weakref
-from pathlib import Path
 
 from distill.pipeline.mediums.base import MediumBase
 from distill.pipeline.notices import sweep_inboxes
@@ -207,7 +206,7 @@ def list_segments() -> list[str]:
         return []
 
 
-def sweep_orphans(min_age_s: float = 2.0, inbox_dir: Path | None = None) -> list[str]:
+def sweep_orphans(min_age_s: float = 2.0, inbox_dir: str | os.PathLike | None = None) -> list[str]:
     """Unlink our segments whose owner is gone (nobody holds their lock), and the notice
     inboxes (``notices.py``, in ``inbox_dir`` or the default socket directory) of
     segments that are gone. Returns the segments."""
