@@ -1,28 +1,29 @@
-"""What a direct request lane would give at 4 MiB: a measured ceiling, not a feature.
+"""Direct requests at 4 MiB, per ring size: the real lane against its prototype.
 
 The 4 MiB transport target (0.7x cold memcpy, performance issue) is only within reach
 of a ring that fits the CPU cache (3-8 slots), and such a ring runs dry unless the
-round trip is short. Today a REQUEST goes student -> broker -> worker (two ZeroMQ hops
-and a scheduler) and only the completion comes back directly (a notice). This
-benchmark measures the design the README's performance notes propose next, before
-anyone builds it: requests go straight to a worker on the same machine.
+round trip is short. The pipeline's default now sends a slot's REQUEST straight to
+the local worker that last filled it (a DIRECT datagram, ``distill/pipeline/notices.py``);
+this benchmark was written to measure that design before it existed, and now keeps
+the real one honest against the prototype it was built from.
 
-``direct lane`` cells: this process iterates a real ``DistillIterableDataset``
+``prototype lane`` cells: this process iterates a real ``DistillIterableDataset``
 (``reuse_batches=True``: its real pool, header checks, notice inbox and batch
 gather), but the pool's ``flush`` sends each REQUEST as one Unix datagram straight to
 1 or 2 worker processes (slot ``i`` to worker ``i % n``), and no broker runs. Each
 worker maps the student's segment, fills the asked-for slots with ``fill_sample``,
 commits their headers with ``write_headers`` and notifies with the real
-``NoticeOutbox``. What it leaves out (fault handling: dead workers, generation
-switches, credit, stats) is exactly what the real lane must add, so it is a ceiling.
+``NoticeOutbox``. It has none of the real lane's rules (declines, dead workers,
+generation checks, statistics), so it is a ceiling.
 
 Side by side in one run, per slot count (4 MiB samples, batches of 4): cold memcpy
 (the reference), the pipe handoff (the transport ceiling: two small messages per
-slot between two processes, no Python pipeline code), today's pipeline
-(``pipeline/dataset``, through the broker) and the direct lane, each with 1 and 2
+slot between two processes, no Python pipeline code), the pipeline with every
+REQUEST through the broker (``pipeline/notices``), the pipeline as it runs by default
+(``pipeline/dataset``: direct requests) and the prototype, each with 1 and 2
 producers; ratios to cold memcpy::
 
-    python bench/direct_lane.py                    # 3, 4, 6, 8, 16 slots; about 4 minutes
+    python bench/direct_lane.py                    # 3, 4, 6, 8, 16 slots; about 5 minutes
     python bench/direct_lane.py --slots 4 --seconds 1
 """
 
@@ -50,6 +51,9 @@ from distill.pipeline.slot import HEADER_BYTES, header_table, write_headers
 SAMPLE_BYTES = 4 << 20
 BATCH_SIZE = 4
 SLOT_COUNTS = (3, 4, 6, 8, 16)
+COLUMNS = {"pipe handoff": "pipe handoff", "pipeline via broker": "pipeline/notices",
+           "pipeline direct": "pipeline/dataset", "prototype lane": "direct lane"}
+"""Column -> the method of its cells."""
 MAX_REQUEST_BYTES = 1 << 16
 
 
@@ -132,18 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for count in (int(n) for n in args.slots.split(",")):
         size = bp.Size("4 MiB", SAMPLE_BYTES, batch_size=BATCH_SIZE, slot_count=count, worker_batch=BATCH_SIZE)
-        results = bp.run_all((size,), {"memcpy", "pipe", "dataset"}, args.seconds, bp.RING_BYTES)
+        results = bp.run_all((size,), {"memcpy", "pipe", "dataset", "notices"}, args.seconds, bp.RING_BYTES)
         results += direct_cells(size, args.seconds)
         rate = {(r.method, r.procs): r.rate for r in results}
         reference = rate[("cold memcpy", 0)]
-        rows.append((count, reference, [rate[(method, procs)] / reference for method in
-                                        ("pipe handoff", "pipeline/dataset", "direct lane") for procs in (1, 2)]))
+        rows.append((count, reference, [rate[(method, procs)] / reference for method in COLUMNS.values()
+                                        for procs in (1, 2)]))
     print(f"\n4 MiB samples, batches of {BATCH_SIZE}, {args.seconds:g} s cells: samples/s / cold memcpy "
           "(1 / 2 producers)")
-    print(f"{'slots':>5}  {'memcpy/s':>9}  {'pipe handoff':>12}  {'pipeline (broker)':>17}  {'direct lane':>11}")
+    print(f"{'slots':>5}  {'memcpy/s':>9}" + "".join(f"  {name:>20}" for name in COLUMNS))
     for count, reference, r in rows:
-        print(f"{count:>5}  {reference:>9,.0f}  {r[0]:>5.2f} / {r[1]:.2f}  {r[2]:>10.2f} / {r[3]:.2f}  "
-              f"{r[4]:>4.2f} / {r[5]:.2f}")
+        print(f"{count:>5}  {reference:>9,.0f}" + "".join(f"  {f'{r[i]:.2f} / {r[i + 1]:.2f}':>20}"
+                                                          for i in range(0, len(r), 2)))
     return 0
 
 

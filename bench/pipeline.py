@@ -33,9 +33,12 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   one ``index_select`` per ready chunk of slots), or with
   ``StudentClient.request_sample``, ``batch[i].copy_(ref.tensors["x"])`` and
   ``release_slot`` (``pipeline/client``: one copy per sample). Workers announce filled
-  slots to the student directly (``distill/pipeline/notices.py``);
-  ``pipeline/relay`` is the dataset with ``notices=False``, every completion relayed
-  by the broker (four ZeroMQ hops per round trip instead of two plus one datagram).
+  slots to the student directly, and the student asks the worker that filled a slot
+  to fill it again straight through that worker's datagram socket, past the broker
+  (the defaults; ``distill/pipeline/notices.py``: two datagrams per round trip);
+  ``pipeline/notices`` is the dataset with ``direct_requests=False`` (every REQUEST
+  through the broker, completions direct: two ZeroMQ hops plus one datagram);
+  ``pipeline/relay`` the dataset with ``notices=False`` (four ZeroMQ hops).
 - ``tcp pipeline``: the same with the network medium (``medium="tcp"``): the
   workers are told not to map the student's segment, so every sample crosses
   loopback TCP (worker staging buffer -> ZeroMQ -> the student's slot -> batch).
@@ -58,8 +61,9 @@ compare cells of the same run.
 
 ``round trip`` (method ``rtt``): the control path alone. A student with one 4 KiB
 slot asks for it, takes it and gives it back, over and over, served by one worker
-with ``max_batch=1``: microseconds per round trip, with notices and relayed by the
-broker, alternating, three windows each (median).
+with ``max_batch=1``: microseconds per round trip, straight to the worker (``lane``),
+through the broker with a direct notice back, and relayed by the broker both ways,
+alternating, three windows each (median).
 
 ``--auth`` adds the pipeline cells over TCP loopback, without and with CurveZMQ
 (``pipeline/<consumer> tcp`` and ``... tcp+curve``), and a table of their ratio:
@@ -78,7 +82,7 @@ Run it from the repository root::
     python bench/pipeline.py --auth --methods dataset,client   # + TCP, TCP + CurveZMQ
     python bench/pipeline.py --sizes 4MiB --methods memcpy,handoff,pipe,dataset --slot-count 6
                                            # every ring and the student's pool: 6 slots
-    python bench/pipeline.py --methods dataset,relay,rtt   # notices against broker relay
+    python bench/pipeline.py --methods dataset,notices,relay,rtt   # direct requests, notices, broker relay
 
 Ctrl-C stops it cleanly: child processes are stopped (and die with this process
 anyhow), shared-memory segments are unlinked, IPC sockets removed.
@@ -594,7 +598,7 @@ def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpo
     dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
                                      endpoints["frontend"], batch_size=size.batch_size,
                                      timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True, curve=curve,
-                                     notices=consumer != "relay")
+                                     notices=consumer != "relay", direct_requests=consumer == "dataset")
     batches = iter(dataset)
     try:
         yield lambda it=batches: len(next(it)["x"])
@@ -603,16 +607,18 @@ def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpo
 
 
 def bench_round_trip(endpoints: dict[str, str], seconds: float) -> dict[str, list[float]]:
-    """Microseconds per one-slot round trip (ask, fill, take, give back), with notices
-    and relayed by the broker, alternating: three windows of ``seconds / 3`` each."""
+    """Microseconds per one-slot round trip (ask, fill, take, give back): straight to the
+    worker (``lane``), through the broker with a direct notice back (``notices``), and
+    relayed by the broker both ways, alternating: three windows of ``seconds / 3`` each."""
     config = sample_config(4 << 10)
-    times: dict[str, list[float]] = {"notices": [], "relay": []}
+    times: dict[str, list[float]] = {"lane": [], "notices": [], "relay": []}
     with Children() as kids:
         kids.start(run_worker, endpoints, 4 << 10, 1)
         for _ in range(3):
             for label in times:
                 with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
-                                   endpoints["control_pub"], notices=label == "notices") as client:
+                                   endpoints["control_pub"], notices=label != "relay",
+                                   direct_requests=label == "lane") as client:
                     client.hello()
                     client.set_model("bench-round-trip")
                     times[label].append(_round_trips(client, seconds / 3))
@@ -636,9 +642,9 @@ def _round_trips(client: StudentClient, seconds: float) -> float:
 def print_round_trip(times: dict[str, list[float]]) -> None:
     print("\ncontrol path: one 4 KiB slot asked for, filled, taken and given back (us per round trip, "
           "median of 3 windows; 1 worker, max_batch=1)")
-    print(f"{'notices':>10} {'relay':>10} {'relay / notices':>16}")
-    notices, relay = statistics.median(times["notices"]), statistics.median(times["relay"])
-    print(f"{notices:>10.0f} {relay:>10.0f} {relay / notices:>16.2f}")
+    print(f"{'lane':>10} {'notices':>10} {'relay':>10} {'notices / lane':>15} {'relay / lane':>13}")
+    lane, notices, relay = (statistics.median(times[label]) for label in ("lane", "notices", "relay"))
+    print(f"{lane:>10.0f} {notices:>10.0f} {relay:>10.0f} {notices / lane:>15.2f} {relay / lane:>13.2f}")
 
 
 def bench_zmq(size: Size, seconds: float) -> Iterator[Result]:
@@ -812,7 +818,7 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
     if "memcpy" in methods:
         ring = torch.empty(ring_bytes, dtype=torch.uint8)
         ring.fill_(1)  # touch every page once, outside any window
-    consumers = [c for c in ("dataset", "relay", "client") if c in methods]
+    consumers = [c for c in ("dataset", "notices", "relay", "client") if c in methods]
     sock_dir = tempfile.mkdtemp(prefix="distill-bench-")
     try:
         with Children() as shared:
@@ -860,9 +866,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"measuring window per cell (default {DEFAULT_SECONDS}, quick {QUICK_SECONDS})")
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
     parser.add_argument("--methods",
-                        default="memcpy,filler,handoff,pipe,queue,dataloader,dataset,relay,client,zmq,tcp,rtt",
+                        default="memcpy,filler,handoff,pipe,queue,dataloader,dataset,notices,relay,client,zmq,tcp,rtt",
                         help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, pipe, queue, "
-                             "dataloader, dataset, relay, client, zmq, tcp, rtt")
+                             "dataloader, dataset, notices, relay, client, zmq, tcp, rtt")
     parser.add_argument("--slot-count", type=int, default=None,
                         help="slots of every size's rings and student pool (default: each size's own)")
     parser.add_argument("--auth", action="store_true",

@@ -85,6 +85,9 @@ class PipelineConfig:
     notices: bool = True
     """medium=shm: workers tell students on their machine about filled slots through a Unix
     datagram socket, not through the broker (shorter round trip; see the README, "Transport")."""
+    direct_requests: bool = True
+    """With notices: a student asks the local worker that filled a slot to fill it again
+    straight through that worker's Unix datagram socket, past the broker (README, "Transport")."""
     max_queued: int = 1_000_000
     """Broker: slots queued over all runs; REQUESTs past it are refused."""
     max_queued_per_student: int = 8_192

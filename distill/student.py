@@ -216,7 +216,8 @@ class StageTrainer:
             heartbeat_interval_s=ctx.cfg.pipeline.heartbeat_interval_s,
             heartbeat_liveness=ctx.cfg.pipeline.heartbeat_liveness, medium=ctx.cfg.pipeline.medium,
             tcp_host=ctx.cfg.pipeline.tcp_host, curve=curve_config(ctx.cfg), pin_memory=cuda and workers == 0,
-            notices=ctx.cfg.pipeline.notices, notice_dir=ctx.cfg.pipeline.socket_dir)
+            notices=ctx.cfg.pipeline.notices, notice_dir=ctx.cfg.pipeline.socket_dir,
+            direct_requests=ctx.cfg.pipeline.direct_requests)
         if workers == 0 and self.scfg.prefetch_batches > 0:
             self.loader = None  # the dataset's own iterator, in a thread that gathers ahead
             self._background = BackgroundBatches(dataset.__iter__, self.scfg.prefetch_batches,

@@ -85,7 +85,8 @@ def build_worker(cfg: DictConfig) -> Worker:
                   heartbeat_interval_s=cfg.pipeline.heartbeat_interval_s,
                   heartbeat_liveness=cfg.pipeline.heartbeat_liveness,
                   local_shm=cfg.pipeline.local_shm, curve=curve_config(cfg),
-                  notify_students=cfg.pipeline.notices, notice_dir=cfg.pipeline.socket_dir)
+                  notify_students=cfg.pipeline.notices, notice_dir=cfg.pipeline.socket_dir,
+                  direct_requests=cfg.pipeline.direct_requests)
 
 
 def run_worker(cfg: DictConfig) -> None:

@@ -124,7 +124,7 @@ class Mutator:
         Command.REQUEST: lambda m: {"run_id": m._run(), "peer_id": m._peer(), "generation": m._int(),
                                     "medium": m._medium(), "stride": m._stride(), "slots": m._slots()},
         Command.READY: lambda m: {"peer_id": m._peer(), "credit": m.rng.choice([0, 1, 16, 2**40]),
-                                  "max_batch": m.rng.choice([0, 1, 8, 2**40])},
+                                  "max_batch": m.rng.choice([0, 1, 8, 2**40]), **m._direct_report()},
         Command.WORK: lambda m: {"work_id": m._int(), "run_id": m._run(), "generation": m._int(),
                                  "model_id": "m", "model_cfg": m._model_cfg(), "items": m._items()},
         Command.DONE: lambda m: {"peer_id": m._peer(), "work_id": m._int(), "num_items": m._int(),
@@ -144,11 +144,21 @@ class Mutator:
         Command.STOP: lambda m: {"run_id": m._run()},
         Command.STATS: lambda m: {"run_id": m.rng.choice([None, m._run()])},
         Command.STATS_REPLY: lambda m: {"stats": {"queued": 1}},
-        Command.HEARTBEAT: lambda m: {"peer_id": m._peer(), "role": m.rng.choice(["worker", "student", "x"])},
+        Command.HEARTBEAT: lambda m: {"peer_id": m._peer(), "role": m.rng.choice(["worker", "student", "x"]),
+                                      **m._direct_report()},
         Command.RECONNECT: lambda m: {},
         Command.BYE: lambda m: {"peer_id": m._peer()},
         Command.ERROR: lambda m: {"reason": "fuzz", "command": "WORK"},
+        Command.DIRECT: lambda m: {"run_id": m._run(), "peer_id": m._peer(), "generation": m._int(),
+                                   "medium": m._medium(), "stride": m._stride(), "slots": m._slots()},
+        Command.DECLINED: lambda m: {"generation": m._int(), "slots": m._slots(), "reason": "fuzz"},
     }
+
+    def _direct_report(self) -> dict[str, Any]:
+        """A worker's DIRECT fill counts (READY, HEARTBEAT): absent, sane or odd."""
+        return self.rng.choice([{}, {"direct": {self._run(): [self._int(), self._int()]}},
+                                {"direct": {"default": [2**63 - 1, 0], "x": [1]}},
+                                {"direct": {"default": ["a", None], "y": {"z": 1}}}, {"direct": {}}])
 
     # ------------------------------------------------------------------ mutations
     def mutate_body(self, body: Any) -> Any:

@@ -74,12 +74,13 @@ def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> 
 
 def run_worker(endpoints: dict[str, str], floats: int = PAYLOAD_FLOATS, max_batch: int = 16,
                heartbeat_interval_s: float = 0.2, local_shm: bool = True,
-               curve: CurveConfig | None = None) -> None:
+               curve: CurveConfig | None = None, direct_requests: bool = True) -> None:
     setup_logging("WARNING")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     Worker(batch_fn=fill_targets, batch_config=batch_config(floats), max_batch=max_batch,
            backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-           heartbeat_interval_s=heartbeat_interval_s, local_shm=local_shm, curve=curve).run()
+           heartbeat_interval_s=heartbeat_interval_s, local_shm=local_shm, curve=curve,
+           direct_requests=direct_requests).run()
 
 
 def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results, *,

@@ -87,6 +87,9 @@ MAX_STUDENTS = 16_384
 """Student peers: every rank's client and every DataLoader worker is one."""
 MAX_WORKERS = 4_096
 MAX_RUNS = 1_024
+MAX_DIRECT_RUNS = 64
+MAX_DIRECT_PER_REPORT = 1 << 32
+"""Runs of one worker's DIRECT fill report the broker reads (a worker serves a few)."""
 """Runs (the jobs of a sweep). Runs with no model, queue or student are forgotten
 to make room for new ones; runs with a model are kept."""
 
@@ -127,6 +130,8 @@ class WorkerPeer:
     in_flight: dict[int, Work] = field(default_factory=dict)
     process: str | None = None
     """The worker's process token (``liveness.process_token``), passed on in QUARANTINE."""
+    direct: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """run -> (filled, failed) DIRECT slots the worker reported so far (see _count_direct)."""
 
 
 @dataclass
@@ -191,6 +196,9 @@ class Broker:
         self._recent: deque[tuple[str, int, int]] = deque()
         self._recent_set: set[tuple[str, int, int]] = set()  # the last RECENTLY_SETTLED of them
         self.instance_id = f"broker-{uuid.uuid4().hex[:12]}"  # changes on restart
+        # Our answer to every heartbeat; peers that beat slower than we expect speed up.
+        self._beat_body = {"peer_id": self.instance_id, "role": "broker",
+                           "interval_ms": max(1, round(heartbeat_interval_s * 1000))}
         self._next_work_id = 1
         self._rr_runs: deque[str] = deque()
         self._counters = BrokerStats()
@@ -461,7 +469,7 @@ class Broker:
             return
         if peer is not None:
             peer.last_seen = time.monotonic()
-        protocol.send(self._frontend, Command.HEARTBEAT, {"peer_id": self.instance_id, "role": "broker"},
+        protocol.send(self._frontend, Command.HEARTBEAT, self._beat_body,
                       identity=identity)
 
     def _on_student_bye(self, identity: bytes, body: dict) -> None:
@@ -530,6 +538,7 @@ class Broker:
             log.info("worker %s joined (credit %d)", peer.peer_id, body["credit"])
         peer.identity, peer.last_seen = identity, time.monotonic()
         peer.process = body.get("process")
+        peer.direct = _direct_counts(body.get("direct"))  # the baseline: fills before we knew it
         peer.credit = body["credit"]
         peer.max_batch = max(1, body["max_batch"])
 
@@ -539,7 +548,9 @@ class Broker:
             protocol.send(self._backend, Command.RECONNECT, {}, identity=identity)
             return
         peer.last_seen = time.monotonic()
-        protocol.send(self._backend, Command.HEARTBEAT, {"peer_id": self.instance_id, "role": "broker"},
+        if body.get("direct"):
+            self._count_direct(peer, _direct_counts(body["direct"]))
+        protocol.send(self._backend, Command.HEARTBEAT, self._beat_body,
                       identity=identity)
 
     def _on_worker_bye(self, identity: bytes, body: dict) -> None:
@@ -567,6 +578,25 @@ class Broker:
         peer.credit += work.num_slots if work.credit is None else work.credit
         failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < work.num_slots}
         self._complete_parts(work, failed, frozenset(body.get("notified") or ()))
+
+    def _count_direct(self, peer: WorkerPeer, counts: dict[str, tuple[int, int]]) -> None:
+        """Add the slots a worker filled for DIRECT requests since its last report to the
+        statistics (completed, failed, per run) as if this broker had dispatched them."""
+        for run_id, (filled, failed) in counts.items():
+            seen_filled, seen_failed = peer.direct.get(run_id, (0, 0))
+            # Clamped: a report is untrusted input, and the counters must stay encodable.
+            new_filled = min(max(0, filled - seen_filled), MAX_DIRECT_PER_REPORT)
+            new_failed = min(max(0, failed - seen_failed), MAX_DIRECT_PER_REPORT)
+            if not new_filled and not new_failed:
+                continue
+            self._counters.completed += new_filled
+            self._counters.direct += new_filled
+            self._counters.failed += new_failed
+            run = self._runs.get(run_id)
+            if run is not None:
+                run.completed += new_filled + new_failed
+            self._completed_rate.add(new_filled + new_failed)
+        peer.direct = counts
 
     def _complete(self, work: Work, failed: dict[int, str], notified: frozenset[str] = frozenset()) -> None:
         """Answer a finished WORK: COMPLETE (filled or failed) or DISCARDED (stale) to
@@ -848,6 +878,7 @@ class Broker:
             queued=sum(r.queued for r in self._runs.values()),
             in_flight=sum(w.num_slots for p in self._workers.values() for w in p.in_flight.values()),
             requested=c.requested, dispatched=c.dispatched, completed=c.completed, notified=c.notified,
+            direct=c.direct,
             discarded=c.discarded, requeued=c.requeued, quarantined=c.quarantined, released=c.released,
             failed=c.failed, refused=c.refused,
             bad_messages=c.bad_messages, workers=len(self._workers), students=len(self._students),
@@ -855,6 +886,15 @@ class Broker:
             requested_per_s=self._requested_rate.rate(), uptime_s=time.monotonic() - self._started_at,
             per_run=per_run,
         )
+
+
+def _direct_counts(value: Any) -> dict[str, tuple[int, int]]:
+    """A worker's ``direct`` report, keeping only well-formed entries (run id -> two counts)."""
+    if not isinstance(value, dict):
+        return {}
+    return {run_id: (counts[0], counts[1]) for run_id, counts in list(value.items())[:MAX_DIRECT_RUNS]
+            if isinstance(run_id, str) and isinstance(counts, list) and len(counts) == 2
+            and all(type(n) is int and 0 <= n <= protocol.MAX_INT for n in counts)}
 
 
 def _check_generation_room(run: RunState, restore: int | None) -> None:

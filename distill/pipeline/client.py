@@ -7,7 +7,10 @@ socket to the broker's frontend, and the bookkeeping that makes delivery exact:
 - each fill gets a fresh request id; the header is cleared before asking;
 - a COMPLETE is accepted only for a slot that is pending with that request id, of a
   generation not older than the newest one known, with a header that checks out;
-- DISCARDED (stale work) and failed slots are asked for again, so none gets stuck.
+- DISCARDED (stale work) and failed slots are asked for again, so none gets stuck;
+- a slot whose last fill a local worker announced with its request lane is asked for
+  again straight from that worker (a DIRECT datagram, ``notices.py``), and through
+  the broker, with the same request id, when that worker declines or is gone.
 
 The hot paths work on many slots per call: headers are checked and cleared through
 one NumPy view of the segment's headers, a batch is gathered out of the slots with
@@ -48,7 +51,7 @@ from distill.pipeline.liveness import (
 )
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
 from distill.pipeline.mediums.tcp import TcpMedium
-from distill.pipeline.notices import NoticeInbox
+from distill.pipeline.notices import NoticeInbox, encode_datagram
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
@@ -73,6 +76,7 @@ MAX_CONSECUTIVE_FAILURES = 200
 DATA_WAIT_S = 30.0
 """Network medium: how long a COMPLETE slot waits for its data before it is asked for again."""
 MEDIUMS = ("shm", "tcp")
+MAX_KNOWN_PROCESSES = 1024
 
 
 @dataclass
@@ -95,7 +99,8 @@ class SlotPool:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, curve: CurveConfig | ClientKeys | None = None,
-                 notices: bool = True, notice_dir: str | os.PathLike | None = None) -> None:
+                 notices: bool = True, notice_dir: str | os.PathLike | None = None,
+                 direct_requests: bool = True) -> None:
         keys = curve.client_keys() if isinstance(curve, CurveConfig) else curve  # before any resource
         sweep_orphans(inbox_dir=notice_dir)
         self.run_id = run_id
@@ -127,6 +132,17 @@ class SlotPool:
                        if notices and self._data_sock is None else None)
         """Workers on this machine announce filled slots here, past the broker (``notices.py``);
         in ``notice_dir`` (default: the default socket directory), where they must look too."""
+        self.direct_requests = direct_requests and self._inbox is not None
+        """Ask the worker that filled a slot to fill it again, past the broker (``notices.py``)."""
+        self._lanes: dict[int, tuple[str, str]] = {}
+        """slot -> (request lane, process token) of the local worker that last filled it."""
+        self._direct: dict[int, str] = {}
+        """slot -> process token of the worker its pending request went to by DIRECT."""
+        self._visible: dict[str, bool] = {}
+        """process token -> whether this process can see it run (a lane is used only then)."""
+        self._direct_checked = 0.0
+        self._inbox_checked = time.monotonic()
+        self._notice_dir = notice_dir
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         if self._inbox is not None:
@@ -142,7 +158,8 @@ class SlotPool:
         self._next_request_id = secrets.randbits(40) << 16
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0,
-                       "quarantined": 0, "released": 0, "refused": 0, "notices": 0}
+                       "quarantined": 0, "released": 0, "refused": 0, "notices": 0,
+                       "direct": 0, "declined": 0}
         self._quarantined: dict[int, str | None] = {}  # slot -> process token of its writer
         self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
         self._quarantine_checked = 0.0
@@ -196,14 +213,45 @@ class SlotPool:
     def flush(self) -> None:
         if not self._to_request:
             return
+        wanted = [s for s in dict.fromkeys(self._to_request) if s in self._pending]
+        self._to_request.clear()
+        if self._lanes:
+            wanted = self._send_direct(wanted)
+        if not wanted:
+            return
         if not self._met_broker:
             self._meet_broker()
-        slots = [[s, self._pending[s]] for s in self._to_request if s in self._pending]
-        self._to_request.clear()
+        slots = [[s, self._pending[s]] for s in wanted]
         self._send(Command.REQUEST, {
             "run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
             "medium": self.medium.buf_name, "stride": self.medium.slot_stride, "slots": slots,
         })
+
+    def _send_direct(self, slots: list[int]) -> list[int]:
+        """Ask for the slots that have a lane straight from its worker; returns those
+        left for the broker (no lane, or it did not take the datagram)."""
+        by_lane: dict[tuple[str, str], list[int]] = {}
+        rest = []
+        for slot in slots:
+            lane = self._lanes.get(slot)
+            if lane is None:
+                rest.append(slot)
+            else:
+                by_lane.setdefault(lane, []).append(slot)
+        generation = self._generation()
+        for (path, process), group in by_lane.items():
+            data = encode_datagram(Command.DIRECT, {
+                "run_id": self.run_id, "peer_id": self.peer_id, "generation": generation,
+                "medium": self.medium.buf_name, "stride": self.medium.slot_stride,
+                "slots": [[s, self._pending[s]] for s in group]})
+            if self._inbox.send_to(path, data):
+                self._direct.update(dict.fromkeys(group, process))
+                self.counts["direct"] += len(group)
+                continue
+            for slot in group:  # gone or full: nobody will write these, the broker may
+                self._lanes.pop(slot, None)
+            rest.extend(group)
+        return rest
 
     def _send(self, command: Command, body: dict[str, Any], deadline: float = math.inf) -> None:
         """Send to the broker, raising rather than blocking forever when it refuses our key
@@ -253,6 +301,10 @@ class SlotPool:
             self._check_broker()
             if self._quarantined:
                 self._check_quarantine()
+            if self._direct:
+                self._check_direct()
+            if self.direct_requests:
+                self._check_inbox()
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
@@ -289,8 +341,13 @@ class SlotPool:
         if self._inbox is None:
             return
         for msg in self._inbox.receive():
+            if msg.command is Command.DECLINED:
+                self._on_declined(msg.body["slots"], msg.body["reason"])
+                continue
             self.counts["notices"] += 1
-            self._on_complete(msg.body["generation"], msg.body["slots"], notice=True)
+            lane = msg.body.get("lane")
+            self._on_complete(msg.body["generation"], msg.body["slots"], notice=True,
+                              lane=None if lane is None else (lane, msg.body.get("process") or ""))
 
     def _on_message(self, msg: protocol.Message) -> dict[str, Any] | None:
         if msg.command is Command.COMPLETE:
@@ -311,22 +368,26 @@ class SlotPool:
             return msg.body
         return None
 
-    def _on_complete(self, generation: int, rows: list[list], *, notice: bool = False) -> None:
+    def _on_complete(self, generation: int, rows: list[list], *, notice: bool = False,
+                     lane: tuple[str, str] | None = None) -> None:
         """Accept completed slots that check out. A worker's direct ``notice`` whose header
         does not check out is ignored and its slot stays pending: asking again could put a
         second writer on a slot the first may still be writing (the broker, which knows
-        the first has finished, answers such slots instead)."""
+        the first has finished, answers such slots instead). A notice's ``lane`` (path,
+        process token) is where its slots are asked for next."""
         if generation > self._generation():
             self._note_generation(generation)
         if self._data_sock is not None:
             self._receive_data()  # the data of these slots may be waiting on the data socket
         pending = self._pending
-        slots, reqs = [], []
+        slots, reqs, was_direct = [], [], {}
         for slot, req, ok in rows:
             if pending.get(slot) != req:
                 self.counts["rejected"] += 1  # not what we asked for (late or foreign)
                 continue
             del pending[slot]
+            if self._direct and (token := self._direct.pop(slot, None)) is not None:
+                was_direct[slot] = token
             if not ok:
                 self._on_failed_fill(slot)
                 continue
@@ -339,9 +400,28 @@ class SlotPool:
         if matches.all():
             self.counts["accepted"] += len(slots)
             self._ready.extend(zip(slots, [generation] * len(slots), reqs, strict=True))
-            return
-        for slot, req, match in zip(slots, reqs, matches.tolist(), strict=True):
-            self._accept_or_refuse(slot, generation, req, match, notice=notice)
+        else:
+            slots = [slot for slot, req, match in zip(slots, reqs, matches.tolist(), strict=True)
+                     if self._accept_or_refuse(slot, generation, req, match, notice=notice,
+                                               direct=was_direct.get(slot))]
+        if notice and self.direct_requests:
+            self._note_lanes(slots, lane)
+
+    def _note_lanes(self, slots: list[int], lane: tuple[str, str] | None) -> None:
+        """Remember where to ask for ``slots`` next: the lane of the worker that filled
+        them, when this process can see that worker run (else nobody could tell that it
+        died holding a DIRECT); no lane after a fill that named none (fan-out)."""
+        if lane is not None:
+            visible = self._visible.get(lane[1])
+            if visible is None:
+                if len(self._visible) >= MAX_KNOWN_PROCESSES:
+                    self._visible.clear()
+                visible = self._visible[lane[1]] = process_alive(lane[1]) is True
+            if visible:
+                self._lanes.update(dict.fromkeys(slots, lane))
+                return
+        for slot in slots:
+            self._lanes.pop(slot, None)
 
     def _on_failed_fill(self, slot: int) -> None:
         """A worker could not fill the slot: ask again, backing off while failures persist."""
@@ -360,30 +440,34 @@ class SlotPool:
         self._queue_request(slot)
 
     def _accept_or_refuse(self, slot: int, generation: int, req: int, match: bool, *,
-                          notice: bool = False) -> None:
+                          notice: bool = False, direct: str | None = None) -> bool:
         """One completed slot, its header already compared: the slow check (checksum,
         and the reason to log) decides when the quick one did not accept it. A refused
-        ``notice`` leaves the slot pending (see ``_on_complete``)."""
+        ``notice`` leaves the slot pending (see ``_on_complete``), and with the worker
+        it went to by DIRECT (``direct``: its process token). True when accepted."""
         problem = None if match else check_slot(self.medium.slot_view(slot), generation, req,
                                                 self.payload_bytes)
         if problem is not None and notice:
             self._pending[slot] = req
+            if direct is not None:  # its worker may still be writing it
+                self._direct[slot] = direct
             self.counts["rejected"] += 1
             self._refusals.warning("%s: notice for slot %d ignored (%s); it stays pending", self.peer_id,
                                    slot, problem)
-            return
+            return False
         if problem is not None and self._data_sock is not None and slot not in self._awaiting \
                 and self._headers[slot]["request_id"] == 0:  # header never written: data on its way
             self._awaiting[slot] = (generation, req, time.monotonic() + DATA_WAIT_S)
-            return
+            return False
         self._awaiting.pop(slot, None)
         if problem is not None:
             self.counts["rejected"] += 1
             log.warning("%s: slot %d refused: %s", self.peer_id, slot, problem)
             self._queue_request(slot)
-            return
+            return False
         self.counts["accepted"] += 1
         self._ready.append((slot, generation, req))
+        return True
 
     # ------------------------------------------------------------------ network medium
     def _wait_network(self, timeout_s: float) -> None:
@@ -417,6 +501,54 @@ class SlotPool:
             log.warning("%s: slot %d completed but its data never came in %.0fs; asking again",
                         self.peer_id, slot, DATA_WAIT_S)
             self._queue_request(slot)
+
+    def _on_declined(self, rows: list[list[int]], reason: str) -> None:
+        """A worker will not fill these DIRECT slots: the broker gets them, same request ids."""
+        for slot, req in rows:
+            if self._pending.get(slot) == req and self._direct.pop(slot, None) is not None:
+                self._lanes.pop(slot, None)
+                self._to_request.append(slot)
+                self.counts["declined"] += 1
+        log.debug("%s: %d direct request(s) declined: %s", self.peer_id, len(rows), reason)
+
+    def _check_inbox(self) -> None:
+        """Bind our inbox again if its file vanished (checked once per beat): workers
+        keep answers to DIRECT requests for a while, and would lose them otherwise."""
+        now = time.monotonic()
+        if now - self._inbox_checked < self._heart.interval_s:
+            return
+        self._inbox_checked = now
+        if self._inbox.present():
+            return
+        self._take_notices()  # what reached the old socket
+        self._poller.unregister(self._inbox.fileno())
+        self._inbox.close()
+        self._inbox = NoticeInbox.open(self.medium.buf_name, self._notice_dir)
+        if self._inbox is None:  # cannot: notices go through the broker from now on
+            log.warning("%s: inbox vanished and could not be bound again; no direct notices", self.peer_id)
+            self.direct_requests = False
+            self._lanes.clear()
+            return
+        self._poller.register(self._inbox.fileno(), zmq.POLLIN)
+        log.warning("%s: inbox %s vanished; bound it again", self.peer_id, self._inbox.path)
+
+    def _check_direct(self) -> None:
+        """Slots asked of a worker by DIRECT whose process is gone go to the broker, with
+        the same request ids (checked once per beat): nobody can write them any more."""
+        now = time.monotonic()
+        if now - self._direct_checked < self._heart.interval_s:
+            return
+        self._direct_checked = now
+        alive: dict[str, bool] = {}
+        for slot, process in list(self._direct.items()):
+            if process not in alive:
+                alive[process] = process_alive(process) is not False
+            if not alive[process]:
+                del self._direct[slot]
+                self._lanes.pop(slot, None)
+                self._to_request.append(slot)
+        if not all(alive.values()):
+            log.warning("%s: a worker holding direct requests is gone; asking the broker", self.peer_id)
 
     def _on_discarded(self, rows: list[list[int]]) -> None:
         for slot, req in rows:
@@ -513,7 +645,8 @@ class SlotPool:
         self._drain()
         # The same request ids: a REQUEST of ours that was still on its way reaches the
         # new broker too, and the broker drops the repeat instead of filling a slot twice.
-        self._to_request.extend(self._pending)
+        # Slots a live worker holds by DIRECT were never the broker's: they stay with it.
+        self._to_request.extend(s for s in self._pending if s not in self._direct)
         self.flush()
 
     def hello(self, rank: int, timeout_ms: float = CONTROL_TIMEOUT_MS) -> dict[str, Any]:
@@ -589,7 +722,7 @@ class StudentClient:
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, leader_epoch: int | None = None,
                  curve: CurveConfig | None = None, share_model: bool = False, notices: bool = True,
-                 notice_dir: str | os.PathLike | None = None) -> None:
+                 notice_dir: str | os.PathLike | None = None, direct_requests: bool = True) -> None:
         self.student_rank = student_rank
         # Fan-out opt-in: this run's slots may get samples the teacher made for other
         # runs of the same model (one teacher pass for a whole sweep; see broker.py).
@@ -611,7 +744,8 @@ class StudentClient:
                               self._current_generation, self._note_generation,
                               heartbeat_interval_s=heartbeat_interval_s,
                               heartbeat_liveness=heartbeat_liveness, medium=medium, tcp_host=tcp_host,
-                              curve=self._keys, notices=notices, notice_dir=notice_dir)
+                              curve=self._keys, notices=notices, notice_dir=notice_dir,
+                              direct_requests=direct_requests)
         self._pool.on_rejoin = self._rejoin
         self._control_lock = threading.Lock()  # a restore never interleaves with a switch
         self._keeper: threading.Thread | None = None

@@ -69,7 +69,8 @@ class DistillIterableDataset(IterableDataset):
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
                  tcp_host: str | None = None, curve: CurveConfig | None = None,
-                 pin_memory: bool = False, notices: bool = True, notice_dir: str | None = None) -> None:
+                 pin_memory: bool = False, notices: bool = True, notice_dir: str | None = None,
+                 direct_requests: bool = True) -> None:
         super().__init__()
         _check_pin_memory(pin_memory, batch_size, reuse_batches)
         if reuse_batches and batch_size is None:
@@ -101,6 +102,8 @@ class DistillIterableDataset(IterableDataset):
         self.notice_dir = notice_dir
         """Where the inbox for those notices goes (None: the default socket directory); the
         workers must be given the same (``Worker(notice_dir=...)``)."""
+        self.direct_requests = direct_requests
+        """Ask a slot's last local worker to fill it again, past the broker (needs ``notices``)."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.reuse_batches and get_worker_info() is not None:
@@ -128,7 +131,7 @@ class DistillIterableDataset(IterableDataset):
                         heartbeat_interval_s=self.heartbeat_interval_s,
                         heartbeat_liveness=self.heartbeat_liveness, medium=self.medium,
                         tcp_host=self.tcp_host, curve=self.curve, notices=self.notices,
-                        notice_dir=self.notice_dir)
+                        notice_dir=self.notice_dir, direct_requests=self.direct_requests)
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 3
+MIN_INTERVAL_S = 0.01
 RECONNECT_INTERVAL_INIT_S = 0.1
 RECONNECT_INTERVAL_MAX_S = 5.0
 
@@ -40,13 +42,15 @@ class Heartbeater:
     def __init__(self, endpoint: str, peer_id: str, role: str, *,
                  interval_s: float = HEARTBEAT_INTERVAL_S,
                  liveness: int = HEARTBEAT_LIVENESS, keys: ClientKeys | None = None,
-                 first_beat_now: bool = False) -> None:
+                 first_beat_now: bool = False, extra: Callable[[], dict] | None = None) -> None:
         self.endpoint = endpoint
         self.keys = keys
         self.refusal: str | None = None
         """Why the broker refuses our CurveZMQ handshakes (None: it does not, or no keys)."""
         self.peer_id = peer_id
         self.role = role
+        self._extra = extra
+        """Fields each beat carries besides who we are (a worker: its DIRECT fill counts)."""
         self.interval_s = interval_s
         self.liveness = liveness
         self.last_heard = time.monotonic()
@@ -85,8 +89,11 @@ class Heartbeater:
                 self._listen(sock, watch)
             while not self._stop.is_set():
                 self._beats += 1
+                body = {"peer_id": self.peer_id, "role": self.role}
+                if self._extra is not None:
+                    body.update(self._extra())
                 with contextlib.suppress(zmq.Again):
-                    protocol.send(sock, Command.HEARTBEAT, {"peer_id": self.peer_id, "role": self.role})
+                    protocol.send(sock, Command.HEARTBEAT, body)
                 self._listen(sock, watch)
         finally:
             if watch is not None:
@@ -107,6 +114,13 @@ class Heartbeater:
             log.error("%s: %s", self.peer_id, refusal)
         self.refusal = refusal
 
+    def _follow_interval(self, interval_ms: int | None) -> None:
+        """Beat at least as often as the broker expects: a peer that only heartbeats (a
+        student served by direct requests) would otherwise be purged as silent."""
+        if interval_ms and interval_ms / 1000 < self.interval_s:
+            log.info("%s: beating every %d ms, as the broker expects", self.peer_id, interval_ms)
+            self.interval_s = max(interval_ms / 1000, MIN_INTERVAL_S)
+
     def _on_reply(self, sock: zmq.Socket) -> None:
         try:
             msg = protocol.recv(sock)
@@ -117,6 +131,7 @@ class Heartbeater:
         if msg.command is Command.RECONNECT:
             self.forgotten.set()
         elif msg.command is Command.HEARTBEAT:
+            self._follow_interval(msg.body.get("interval_ms"))
             broker_id = msg.body["peer_id"]
             if self.broker_id is not None and broker_id != self.broker_id:
                 log.warning("%s: broker restarted (%s -> %s)", self.peer_id, self.broker_id, broker_id)

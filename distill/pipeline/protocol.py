@@ -24,9 +24,12 @@ Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
     ControlPub PUB   B->*  MODEL, STOP    (topic frame = run id, or b"" for all)
     Data     PULL    W->S  DATA + one frame per slot   (network medium only, see
                            ``mediums/tcp.py``; the broker never sees it)
-    Inbox    unix    W->S  COMPLETE, one datagram     (shared memory on the worker's
-             dgram               machine, see ``notices.py``; DONE.notified then names
-                                 the segments whose filled slots need no COMPLETE)
+    Inbox    unix    W->S  COMPLETE, DECLINED: one datagram each (shared memory on
+             dgram               the worker's machine, see ``notices.py``; DONE.notified
+                                 names the segments whose filled slots need no COMPLETE)
+    Lane     unix    S->W  DIRECT, one datagram       (a worker's request inbox, named in
+             dgram               COMPLETE.lane: a student asks the worker that filled a
+                                 slot to fill it again, past the broker; ``notices.py``)
 
 Slot items travel as compact lists rather than dicts so that one REQUEST, WORK or
 DONE can carry hundreds of slots cheaply:
@@ -36,8 +39,14 @@ DONE can carry hundreds of slots cheaply:
     DONE.failed    [[item_idx, reason], ...]               (items not written)
     DONE.notified  [medium, ...]                           (told directly, see notices.py)
     COMPLETE.slots [[slot_idx, request_id, ok], ...]
+    DIRECT.slots   [[slot_idx, request_id], ...]           (as REQUEST.slots)
+    DECLINED.slots [[slot_idx, request_id], ...]           (DIRECT slots not taken)
     WORK.runs      [[run_id, generation, num_items], ...]  (fan-out only, see below)
     WORK.copies    [[item_idx, source_item_idx], ...]      (fan-out only)
+
+Workers count what they filled for DIRECT requests (which the broker never sees) in
+READY and HEARTBEAT: ``direct`` maps a run id to ``[filled, failed]`` slots so far,
+from which the broker's statistics add what is new.
 
 A worker that stops answering may still be writing into the slots it was given
 (frozen, not dead). Its slots are not handed to anyone else: the broker sends the
@@ -66,9 +75,11 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped when a peer of the previous version would refuse or misread a message
-(2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work)."""
+(2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
+3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
+notice naming a lane, and its slots, already done at the broker, would never complete)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
@@ -103,6 +114,8 @@ class Command(bytes, enum.Enum):
     BYE = b"BYE"
     ERROR = b"ERROR"
     DATA = b"DATA"
+    DIRECT = b"DIRECT"
+    DECLINED = b"DECLINED"
 
 
 class ProtocolError(ValueError):
@@ -133,12 +146,13 @@ SCHEMA: dict[Command, dict[str, str]] = {
                       "heartbeat_interval_ms": "int"},
     Command.REQUEST: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
                       "stride": "int", "slots": "slots"},
-    Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?"},
+    Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?",
+                    "direct": "dict?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
                    "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?"},
     Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed",
                    "notified": "names?"},
-    Command.COMPLETE: {"generation": "int", "slots": "done_slots"},
+    Command.COMPLETE: {"generation": "int", "slots": "done_slots", "lane": "str?", "process": "str?"},
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
     Command.QUARANTINE: {"slots": "slots", "process": "str?"},
     Command.RELEASE: {"slots": "slots"},
@@ -150,11 +164,14 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.STOP: {"run_id": "str?"},
     Command.STATS: {"run_id": "str?"},
     Command.STATS_REPLY: {"stats": "dict"},
-    Command.HEARTBEAT: {"peer_id": "str", "role": "str"},
+    Command.HEARTBEAT: {"peer_id": "str", "role": "str", "direct": "dict?", "interval_ms": "int?"},
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
     Command.ERROR: {"reason": "str", "command": "str?", "slots": "slots?"},
     Command.DATA: {"generation": "int", "stride": "int", "slots": "slots"},
+    Command.DIRECT: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
+                     "stride": "int", "slots": "slots"},
+    Command.DECLINED: {"generation": "int", "slots": "slots", "reason": "str"},
 }
 
 

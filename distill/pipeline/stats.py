@@ -52,6 +52,9 @@ class BrokerStats:
     completed: int = 0
     notified: int = 0
     """Of ``completed``: announced to their students by the worker itself (``notices.py``)."""
+    direct: int = 0
+    """Of ``completed``: filled for students' DIRECT requests, past the broker (as workers
+    report them, up to a heartbeat late)."""
     discarded: int = 0
     requeued: int = 0
     quarantined: int = 0

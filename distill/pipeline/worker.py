@@ -34,9 +34,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -54,9 +55,16 @@ from distill.pipeline.liveness import (
     Heartbeater,
     process_token,
 )
-from distill.pipeline.mediums.shm import SHM_DIR, attach_segment
+from distill.pipeline.mediums.shm import SHM_DIR, attach_segment, is_our_name
 from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium, parse_medium
-from distill.pipeline.notices import NoticeOutbox
+from distill.pipeline.notices import (
+    ANSWER_RETRY_S,
+    Delivery,
+    NoticeOutbox,
+    RequestLane,
+    encode_datagram,
+    encode_notice,
+)
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
@@ -72,6 +80,8 @@ log = logging.getLogger(__name__)
 
 GeneratorFn = Callable[[str, dict | None], bytes]
 MAX_ATTACHED_SEGMENTS = 256
+MAX_QUEUED_DIRECT = 256
+"""DIRECT requests a worker takes off its lane before filling them (more wait in the socket)."""
 SEGMENT_RECHECK_S = 5.0
 
 
@@ -131,7 +141,7 @@ class Worker:
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  heartbeat_liveness: int = HEARTBEAT_LIVENESS, local_shm: bool = True,
                  curve: CurveConfig | None = None, notify_students: bool = True,
-                 notice_dir: str | os.PathLike | None = None) -> None:
+                 notice_dir: str | os.PathLike | None = None, direct_requests: bool = True) -> None:
         if (generator_fn is None) == (batch_fn is None):
             raise ValueError("Worker needs exactly one of generator_fn= (per sample) or batch_fn= (batched)")
         if slot_size is None:
@@ -172,6 +182,21 @@ class Worker:
         self.notice_dir = notice_dir
         """Where those students' inboxes are (None: the default socket directory)."""
         self._outbox: NoticeOutbox | None = None
+        self.direct_requests = direct_requests
+        """Take DIRECT requests from students we notify, past the broker (``notices.py``)."""
+        self._lane: RequestLane | None = None
+        self._direct: deque[Message] = deque()
+        """DIRECT requests taken off the lane, not yet filled or declined."""
+        self._models: dict[str, tuple[int, str, dict | None]] = {}
+        """run -> (generation, model id, model cfg) of its last plain WORK: what a DIRECT may ask for."""
+        self._fanout_runs: set[str] = set()
+        self._unsent: list[tuple[str, bytes, float]] = []
+        """Answers to DIRECTs not delivered yet (inbox full or gone): (segment, datagram, give-up time)."""
+        self._token = process_token()
+        self.direct_filled = 0
+        """Samples written for DIRECT requests (the broker never saw them)."""
+        self._direct_counts: dict[str, tuple[int, int]] = {}
+        """run -> (filled, failed) DIRECT slots so far, reported to the broker for its statistics."""
         self._heart: Heartbeater | None = None
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], dict[int, dict[int, str]], Deferred] | None = None
@@ -197,12 +222,15 @@ class Worker:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.control_pub_endpoint)
         heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=self.heartbeat_interval_s,
-                            liveness=self.heartbeat_liveness, keys=self._keys).start()
+                            liveness=self.heartbeat_liveness, keys=self._keys, extra=self._direct_report).start()
         self._heart = heart
         self._outbox = NoticeOutbox(self.notice_dir) if self.notify_students else None
+        if self._outbox is not None and self.direct_requests:
+            self._lane = RequestLane.open(self.peer_id, self.notice_dir)
         try:
             self._serve(sock, sub, heart)
         finally:
+            self._shut_lane()
             if self._outbox is not None:
                 self._outbox.close()
             heart.stop()
@@ -231,13 +259,21 @@ class Worker:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
+        lane = self._lane.fileno() if self._lane is not None else None
+        if lane is not None:
+            poller.register(lane, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(self.heartbeat_interval_s * 1000))
+                busy = self._direct or self._unsent
+                events = dict(poller.poll(0 if self._direct else 10 if busy else self.heartbeat_interval_s * 1000))
                 if sub in events and self._on_published(sub):
                     return
                 if sock in events:
                     self._process(self._collect_work(sock), sock)
+                if lane in events or self._direct:
+                    self._serve_direct(sock)
+                if self._unsent:
+                    self._retry_unsent()
                 if heart.refusal is not None:  # the broker will never answer: stop with the reason
                     raise PermissionError(f"worker {self.peer_id}: {heart.refusal}")
                 if heart.forgotten.is_set() or not heart.broker_alive:
@@ -258,7 +294,14 @@ class Worker:
     def _ready(self, sock: zmq.Socket) -> None:
         # The process token lets a student whose slots we hold see when we are gone.
         self._send(sock, Command.READY, {"peer_id": self.peer_id, "credit": self.capacity,
-                                         "max_batch": self.max_batch, "process": process_token()})
+                                         "max_batch": self.max_batch, "process": self._token,
+                                         **self._direct_report()})
+
+    def _direct_report(self) -> dict:
+        """DIRECT fills so far, for READY and every heartbeat (the heartbeat thread reads
+        it: the counts are replaced, never changed in place, so a copy is consistent)."""
+        counts = dict(self._direct_counts)
+        return {"direct": {run_id: list(c) for run_id, c in counts.items()}} if counts else {}
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         forgotten = heart.forgotten.is_set()
@@ -341,7 +384,7 @@ class Worker:
                 self._send_done(sock, group, failed)
             else:
                 self._deferred = group, failed, deferred
-        if self._deferred is not None and not protocol.readable(sock):
+        if self._deferred is not None and not protocol.readable(sock) and not self._direct_waiting():
             self._finish_deferred(sock)  # no next batch to overlap with: finish now
 
     def _finish_deferred(self, sock: zmq.Socket) -> None:
@@ -357,6 +400,9 @@ class Worker:
         for work in group:
             body = work.body
             failures = failed.get(body["work_id"], {})
+            if work.command is Command.DIRECT:
+                self._answer_direct(body, failures)
+                continue
             done = {"peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
                     "failed": [[idx, why] for idx, why in sorted(failures.items())]}
             notified = self._notify(body, failures) if self._outbox is not None else []
@@ -372,9 +418,12 @@ class Worker:
         for idx, generation, (medium, slot_idx, _stride, request_id) in _with_generations(body):
             if idx not in failures and medium in self._segments and not is_tcp_medium(medium):
                 rows.setdefault((medium, generation), []).append([slot_idx, request_id, True])
+        # Plain WORK only: a fan-out run's slots must keep going through the broker,
+        # which is what lets one teacher pass serve several runs.
+        lane = self._lane.path.as_posix() if self._lane is not None and body.get("runs") is None else None
         reached, missed = set(), set()
         for (medium, generation), slots in rows.items():
-            (reached if self._outbox.send(medium, generation, slots) else missed).add(medium)
+            (reached if self._outbox.send(medium, generation, slots, lane, self._token) else missed).add(medium)
         return sorted(reached - missed)
 
     def _fill_group(self, group: list[Message]) -> tuple[dict[int, dict[int, str]], Deferred | None]:
@@ -388,6 +437,9 @@ class Worker:
                 failed[work.body["work_id"]] = dict.fromkeys(range(len(work.body["items"])), "stale")
             return failed, None
         self._note_generation(run_id, generation, model_id)
+        if group[0].command is Command.WORK:
+            self._models[run_id] = (generation, model_id, first.get("model_cfg"))
+            self._fanout_runs.discard(run_id)
         runs: list[_Run] = []
         for work in group:
             self._add_targets(work.body, generation, runs, failed)
@@ -540,6 +592,114 @@ class Worker:
             return
         self.samples_written += len(slot_idxs)
 
+    # ------------------------------------------------------------------ direct requests
+    def _serve_direct(self, sock: zmq.Socket) -> None:
+        """Fill DIRECT requests (up to about ``max_batch`` slots per call), or decline
+        them all while broker WORK waits: the broker's students keep their share."""
+        if self._lane is not None and len(self._direct) < MAX_QUEUED_DIRECT:
+            for msg in self._lane.receive(MAX_QUEUED_DIRECT - len(self._direct)):
+                if is_our_name(msg.body["medium"]):  # else there is no student inbox to answer
+                    self._direct.append(msg)
+                else:
+                    self._refusals.warning("worker %s: direct request for %r dropped: not a segment of ours",
+                                           self.peer_id, msg.body["medium"][:64])
+        if protocol.readable(sock):
+            while self._direct:
+                self._decline(self._direct.popleft().body, "the worker has broker work waiting")
+            return
+        works, slots = [], 0
+        while self._direct and slots < self.max_batch:
+            work = self._direct_work(self._direct.popleft().body, len(works))
+            if work is not None:
+                works.append(work)
+                slots += len(work.body["items"])
+        if works:
+            self._process(works, sock)
+
+    def _direct_work(self, body: dict, number: int) -> Message | None:
+        """A DIRECT as the WORK the broker would have sent (``work_id`` -1 - ``number``:
+        unique in its batch, never a broker's); None (declined) when this worker cannot
+        fill it as the broker would."""
+        run_id, generation = body["run_id"], body["generation"]
+        model = self._models.get(run_id)
+        why = ("no WORK of this run seen" if model is None
+               else "fan-out run" if run_id in self._fanout_runs
+               else "network medium" if is_tcp_medium(body["medium"])
+               else "another generation" if model[0] != generation or generation < self._generation.get(run_id, 0)
+               else None)
+        if why is not None:
+            self._decline(body, why)
+            return None
+        medium, stride = body["medium"], body["stride"]
+        return Message(Command.DIRECT, {
+            "work_id": -1 - number, "run_id": run_id, "generation": generation, "model_id": model[1],
+            "model_cfg": model[2], "medium": medium,
+            "items": [[medium, slot_idx, stride, request_id] for slot_idx, request_id in body["slots"]]})
+
+    def _direct_waiting(self) -> bool:
+        """A DIRECT is queued here or on the lane (a batch to overlap a deferred commit with)."""
+        if self._direct:
+            return True
+        return self._lane is not None and bool(select.select([self._lane.fileno()], [], [], 0)[0])
+
+    def _answer_direct(self, body: dict, failures: dict[int, str]) -> None:
+        """Notify the student of a filled DIRECT (its failed slots too: no broker will);
+        slots found stale are declined, so the student asks the broker."""
+        slots, stale = [], []
+        for idx, (_medium, slot_idx, _stride, request_id) in enumerate(body["items"]):
+            why = failures.get(idx)
+            (stale if why == "stale" else slots).append([slot_idx, request_id] if why == "stale"
+                                                       else [slot_idx, request_id, why is None])
+        filled = sum(1 for row in slots if row[2])
+        self.direct_filled += filled
+        done, failed = self._direct_counts.get(body["run_id"], (0, 0))
+        self._direct_counts[body["run_id"]] = (done + filled, failed + len(slots) - filled)
+        if stale:
+            self._decline({**body, "slots": stale}, "another generation")
+        if slots:
+            lane = self._lane.path.as_posix() if self._lane is not None else None
+            self._post(body["medium"], encode_notice(body["generation"], slots, lane, self._token))
+
+    def _decline(self, body: dict, why: str) -> None:
+        self._post(body["medium"], encode_datagram(Command.DECLINED, {
+            "generation": body["generation"], "slots": body["slots"], "reason": why}))
+
+    def _post(self, segment: str, data: bytes, give_up: float | None = None) -> None:
+        """Send an answer to a DIRECT; kept and sent again for ``ANSWER_RETRY_S`` while it
+        cannot be delivered (see ``notices.py``)."""
+        if self._outbox is None:
+            return
+        delivery = self._outbox.post(segment, data)
+        if delivery is Delivery.SENT or (delivery is Delivery.GONE and not _segment_exists(segment)):
+            return  # sent, or its student is gone (it unlinks its segment after its inbox)
+        now = time.monotonic()
+        give_up = now + ANSWER_RETRY_S if give_up is None else give_up
+        if now < give_up:
+            self._unsent.append((segment, data, give_up))
+        else:
+            log.info("worker %s: gave up answering a direct request of %s (its inbox is gone)",
+                     self.peer_id, segment)
+
+    def _retry_unsent(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        for segment, data, give_up in unsent:
+            self._post(segment, data, give_up)
+
+    def _shut_lane(self) -> None:
+        """Stopping: decline every DIRECT still queued (here or on the lane), and try
+        once more for answers that could not be sent (a full inbox may have room now)."""
+        if self._lane is None:
+            return
+        self._direct.extend(self._lane.shut())
+        self._lane = None
+        while self._direct:
+            self._decline(self._direct.popleft().body, "the worker is stopping")
+        deadline = time.monotonic() + 0.2  # short: a student that is gone makes us wait it all
+        while self._unsent and time.monotonic() < deadline:
+            self._retry_unsent()
+            if self._unsent:
+                time.sleep(0.01)
+
     # ------------------------------------------------------------------ fan-out
     def _fill_shared(self, body: dict) -> dict[int, dict[int, str]]:
         """Fill a fan-out WORK: compute its sources once, copy them into their copies,
@@ -580,6 +740,7 @@ class Worker:
                 failed.setdefault(body["work_id"], {}).update(dict.fromkeys(range(start, start + count), "stale"))
             else:
                 self._note_generation(run_id, generation, body["model_id"])
+                self._fanout_runs.add(run_id)
                 live.extend(runs[first:])
             start += count
         return runs, live
@@ -629,8 +790,7 @@ class Worker:
         if time.monotonic() - self._segments_checked < SEGMENT_RECHECK_S or self._deferred is not None:
             return  # (a batch still to commit may write to any of them)
         self._segments_checked = time.monotonic()
-        for name in [n for n in self._segments
-                     if not os.path.exists(os.path.join(SHM_DIR, _segment_name(n)))]:
+        for name in [n for n in self._segments if not _segment_exists(_segment_name(n))]:
             self._forget_segment(name)
 
     def _forget_segment(self, name: str) -> None:
@@ -650,6 +810,10 @@ class Worker:
 def _segment_name(medium: str) -> str:
     """The shared-memory segment behind a medium name (a network medium's, mapped locally)."""
     return parse_medium(medium).segment if is_tcp_medium(medium) else medium
+
+
+def _segment_exists(segment: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, segment))
 
 
 def _fail_runs(runs: list[_Run], failed: dict[int, dict[int, str]], why: str) -> None:

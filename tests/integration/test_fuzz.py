@@ -17,15 +17,18 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import socket
 import time
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 import torch
 import zmq
 
 from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
+from distill.pipeline.notices import lane_path
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
 from distill.service import fetch_stats
@@ -329,6 +332,50 @@ def _worker_normal_run(fake: FakeBroker, shm: SharedMemoryManager, payload_bytes
         assert check_slot(view, 1, 1000 + slot_idx, payload_bytes) is None
         x = torch.frombuffer(view[HEADER_BYTES:HEADER_BYTES + peers.PAYLOAD_FLOATS * 4], dtype=torch.float32)
         assert torch.equal(x, peers.expected_x(1000 + slot_idx, 1))
+
+
+# --------------------------------------------------------------------------- a worker's request lane
+LANE_DATAGRAMS = 2_000
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_survives_fuzzing_on_its_request_lane(seed, endpoints, broker_kwargs) -> None:
+    """Mutated DIRECT requests and garbage on a live worker's lane (aimed at a decoy
+    segment, a missing one and foreign names) while a real student is served through
+    the same lane: the worker keeps filling, and every sample the student gets is exact."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                    heartbeat_interval_s=0.2).start()
+    stride = slot_stride(peers.batch_config().nbytes())
+    decoy = SharedMemoryManager(4, stride, run_id="decoy")
+    mutator = Mutator(seed, Targets(mediums=[decoy.buf_name, "dst_nobody_1_1"], stride=stride), [Command.DIRECT])
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.settimeout(1.0)  # a full lane queue: wait for the worker to read
+    try:
+        client = StudentClient(0, 8, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                               endpoints["control_pub"], heartbeat_interval_s=0.2)
+        with client:
+            client.hello()
+            generation = client.set_model("fuzzed-lane")
+            seen = peers.consume_verified(client, generation, 50)
+            lane = os.fspath(lane_path(worker.peer_id))
+            for i in range(LANE_DATAGRAMS):
+                frames = mutator.message()
+                datagram = (mutator.rng.randbytes(mutator.rng.randrange(64)) if i % 10 == 0
+                            else msgpack.packb(frames, use_bin_type=True))
+                with contextlib.suppress(TimeoutError, BlockingIOError):
+                    sender.sendto(datagram, lane)
+                if i % 100 == 0:
+                    seen = peers.consume_verified(client, generation, len(seen) + 10, seen=seen)
+            peers.consume_verified(client, generation, len(seen) + 200, seen=seen)
+            assert client._pool.counts["direct"] > 0
+        assert worker._thread.is_alive()
+    finally:
+        sender.close()
+        worker.stop()
+        broker.stop()
+        decoy.close()
 
 
 # --------------------------------------------------------------------------- regressions found by fuzzing

@@ -20,6 +20,8 @@ from distill.pipeline.mediums.shm import sweep_orphans
 from distill.pipeline.notices import (
     NoticeInbox,
     NoticeOutbox,
+    RequestLane,
+    encode_datagram,
     encode_notice,
     notice_path,
     sweep_inboxes,
@@ -42,8 +44,9 @@ def _worker_process(procs, endpoints: dict[str, str], **kwargs: object):
 
 
 def test_a_local_worker_completes_slots_past_the_broker(procs, endpoints, broker_kwargs) -> None:
+    """Notices alone (no direct requests): every fill dispatched by the broker is told directly."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
-    _worker_process(procs, endpoints)
+    _worker_process(procs, endpoints, direct_requests=False)
     with _client(endpoints) as client:
         generation = client.set_model("direct")
         peers.consume_verified(client, generation, 400)
@@ -114,9 +117,11 @@ def test_inboxes_live_in_the_notice_dir_both_sides_are_given(endpoints, broker_k
 
 
 def test_an_inbox_that_vanishes_falls_back_to_the_broker(procs, endpoints, broker_kwargs) -> None:
+    """Notices alone: with its inbox file gone (and the student not binding it again:
+    only direct requests need that) every completion comes from the broker."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
-    _worker_process(procs, endpoints)
-    with _client(endpoints) as client:
+    _worker_process(procs, endpoints, direct_requests=False)
+    with _client(endpoints, direct_requests=False) as client:
         generation = client.set_model("vanish")
         seen = peers.consume_verified(client, generation, 100)
         notified = broker.stats.notified
@@ -141,7 +146,7 @@ def test_failed_slots_of_a_notified_work_still_reach_the_student(endpoints, brok
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     worker = Worker(sometimes_too_big, slot_size=peers.batch_config().nbytes(), max_batch=4,
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-                    heartbeat_interval_s=0.2).start()
+                    heartbeat_interval_s=0.2, direct_requests=False).start()
     try:
         with _client(endpoints, slot_count=4) as client:
             client.set_model("flaky")
@@ -233,6 +238,39 @@ def test_sweep_takes_only_inboxes_whose_segment_is_gone(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst_live_1_1.notice", "frontend.sock"]
     (tmp_path / "dst_young_1_1.notice").touch()
     assert sweep_inboxes(lambda segment: False, tmp_path, min_age_s=60) == []  # its owner may be binding it
+
+
+def test_sweep_takes_lanes_nobody_is_bound_to(tmp_path) -> None:
+    """A killed worker leaves its lane's file: nobody answers there, so it goes; a live
+    worker's lane stays."""
+    (tmp_path / "worker-1-dead.lane").touch()
+    live = RequestLane.open("worker-2-live", tmp_path)
+    try:
+        assert sweep_inboxes(lambda segment: True, tmp_path, min_age_s=0) == ["worker-1-dead.lane"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-2-live.lane"]
+    finally:
+        live.close()
+
+
+def test_a_lane_that_shuts_gives_back_what_was_queued_and_takes_no_more(tmp_path) -> None:
+    """A stopping worker removes its lane's file first (a student's send then fails and it
+    asks the broker) and gets every DIRECT already queued, to decline it."""
+    lane = RequestLane.open("worker-3-x", tmp_path)
+    inbox = NoticeInbox.open("dst_s_1_1", tmp_path)
+    try:
+        direct = encode_datagram(Command.DIRECT, {"run_id": "r", "peer_id": "p", "generation": 1,
+                                                  "medium": "dst_s_1_1", "stride": 4160, "slots": [[0, 5]]})
+        assert inbox.send_to(os.fspath(lane.path), direct)
+        assert inbox.send_to(os.fspath(lane.path), b"garbage")  # dropped, not returned
+        assert inbox.present()
+        waiting = lane.shut()
+        assert [m.body["slots"] for m in waiting] == [[[0, 5]]]
+        assert not lane.path.exists()
+        assert not inbox.send_to(os.fspath(lane.path), direct)
+        inbox.path.unlink()
+        assert not inbox.present()
+    finally:
+        inbox.close()
 
 
 def test_a_notice_an_inbox_could_not_read_whole_is_not_sent(tmp_path, monkeypatch) -> None:

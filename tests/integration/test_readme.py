@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -66,6 +67,10 @@ def test_quick_start(private_runtime_dir) -> None:
             break
     client.close()
     assert worker.generation == 1 and worker.model_id == "my_model"
+    assert worker.samples_written >= 20
+    deadline = time.monotonic() + 5  # fills the student asked for directly are counted at heartbeats
+    while broker.stats.completed < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert broker.stats.completed >= 20
     worker.stop()
     broker.stop()

@@ -10,7 +10,13 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distill.pipeline.notices import decode_notice, encode_notice
+from distill.pipeline.notices import (
+    LANE_COMMANDS,
+    decode_datagram,
+    decode_notice,
+    encode_datagram,
+    encode_notice,
+)
 from distill.pipeline.protocol import (
     PROTOCOL_TAG,
     SCHEMA,
@@ -32,6 +38,10 @@ VALID = {
     Command.SET_MODEL: {"run_id": "r", "model_id": "layer_0", "leader_epoch": 7, "peer_id": "student-1"},
     Command.QUARANTINE: {"slots": [[3, 11]], "process": "boot/pid:[1]:42:99"},
     Command.RELEASE: {"slots": [[3, 11]]},
+    Command.DIRECT: {"run_id": "r", "peer_id": "p", "generation": 3, "medium": "dst_a_1_0",
+                     "stride": 4160, "slots": [[0, 1]]},
+    Command.DECLINED: {"generation": 3, "slots": [[0, 1]], "reason": "another generation"},
+    Command.HEARTBEAT: {"peer_id": "w", "role": "worker", "direct": {"r": [10, 1]}, "interval_ms": 200},
 }
 
 
@@ -96,6 +106,19 @@ def test_a_notice_is_one_datagram_holding_a_complete() -> None:
     msg = decode_notice(encode_notice(4, [[0, 9, True], [3, 10, True]]))
     assert msg.command is Command.COMPLETE
     assert msg.body == {"generation": 4, "slots": [[0, 9, True], [3, 10, True]]}
+    lane = decode_notice(encode_notice(4, [[0, 9, True]], "/run/x/worker-1-ab.lane", "boot/pid:[1]:7:9"))
+    assert lane.body["lane"] == "/run/x/worker-1-ab.lane" and lane.body["process"] == "boot/pid:[1]:7:9"
+
+
+def test_an_inbox_takes_declines_and_a_lane_takes_only_direct_requests() -> None:
+    declined = encode_datagram(Command.DECLINED, VALID[Command.DECLINED])
+    direct = encode_datagram(Command.DIRECT, VALID[Command.DIRECT])
+    assert decode_notice(declined).body["reason"] == "another generation"
+    assert decode_datagram(direct, LANE_COMMANDS).body == VALID[Command.DIRECT]
+    with pytest.raises(ProtocolError, match="not accepted here"):
+        decode_notice(direct)  # a student's inbox is not a lane
+    with pytest.raises(ProtocolError, match="not accepted here"):
+        decode_datagram(declined, LANE_COMMANDS)
 
 
 @pytest.mark.parametrize(("datagram", "reason"), [
@@ -103,7 +126,7 @@ def test_a_notice_is_one_datagram_holding_a_complete() -> None:
     (msgpack.packb({"a": 1}), "list of frames"),
     (msgpack.packb([1, 2, 3]), "list of frames"),
     (msgpack.packb([PROTOCOL_TAG, b"COMPLETE"]), "3 frames"),
-    (msgpack.packb(encode(Command.RELEASE, {"slots": [[1, 2]]})), "not accepted in a notice"),
+    (msgpack.packb(encode(Command.RELEASE, {"slots": [[1, 2]]})), "not accepted here"),
     (msgpack.packb([PROTOCOL_TAG, b"COMPLETE", msgpack.packb({"generation": 1, "slots": [[0, -1, True]]})]),
      "integer"),
 ])

@@ -1,0 +1,173 @@
+"""Direct requests (the *lane*, ``distill.pipeline.notices``): a student asks the local
+worker that last filled a slot to fill it again, past the broker. Real broker, workers
+(processes and threads), shared memory and datagram sockets; every sample is checked
+byte for byte against its request id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from distill.pipeline import Broker, StudentClient, Worker
+from distill.pipeline.liveness import process_token
+from distill.pipeline.notices import lane_path
+from tests import peers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _client(endpoints: dict[str, str], slot_count: int = 8, **kwargs: object) -> StudentClient:
+    client = StudentClient(0, slot_count, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"], heartbeat_interval_s=0.2, **kwargs)
+    client.hello()
+    return client
+
+
+def _worker(endpoints: dict[str, str], batch_fn=peers.fill_targets, **kwargs: object) -> Worker:
+    return Worker(batch_fn=batch_fn, batch_config=peers.batch_config(), max_batch=4,
+                  backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                  heartbeat_interval_s=0.2, **kwargs).start()
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _take(client: StudentClient, generation: int, seen: set[int], count: int) -> list[int]:
+    """Like ``peers.consume_verified``, returning the slot of each sample taken."""
+    slots = []
+    for _ in range(count):
+        ref = client.request_sample(timeout_ms=30_000)
+        assert ref is not None, f"no sample (after {len(seen)})"
+        assert ref.generation == generation
+        assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
+        assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
+        seen.add(ref.request_id)
+        slots.append(ref.slot_id)
+        client.release_slot(ref.slot_id)
+    return slots
+
+
+def test_slots_go_back_to_the_worker_that_filled_them_past_the_broker(procs, endpoints, broker_kwargs) -> None:
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    procs.start(peers.run_worker, endpoints, name="worker")
+    with _client(endpoints) as client:
+        generation = client.set_model("lane")
+        peers.consume_verified(client, generation, 400)
+        counts = dict(client._pool.counts)
+        _wait_for(lambda: broker.stats.completed >= 400)  # direct fills are reported with heartbeats
+        stats = broker.stats
+    broker.stop()
+    assert counts["direct"] >= 300 and counts["rejected"] == 0
+    assert stats.dispatched < 100  # most slots never went through the broker
+    assert stats.direct >= 300 and stats.completed >= 400 and stats.per_run["default"]["completed"] >= 400
+    assert stats.failed == 0 and stats.bad_messages == 0
+
+
+@pytest.mark.parametrize("side", ["student", "worker"])
+def test_direct_requests_turned_off_go_through_the_broker(procs, endpoints, broker_kwargs, side: str) -> None:
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    procs.start(peers.run_worker, endpoints, name="worker", direct_requests=side != "worker")
+    with _client(endpoints, direct_requests=side != "student") as client:
+        generation = client.set_model(f"broker-{side}")
+        peers.consume_verified(client, generation, 200)
+        counts = dict(client._pool.counts)
+    broker.stop()
+    assert counts["direct"] == 0 and counts["notices"] > 0
+    assert broker.stats.direct == 0 and broker.stats.dispatched >= 200
+
+
+def test_a_stopping_worker_declines_what_it_holds_and_the_broker_gets_it(endpoints, broker_kwargs) -> None:
+    """Two workers in this process (so their process stays alive: only the decline can
+    free the slots the stopped one was asked for); a 4-slot student must keep going."""
+    def slow(model_id: str, model_cfg: dict | None, targets: list) -> None:
+        time.sleep(0.05)  # DIRECTs queue up at this worker while it fills
+        peers.fill_targets(model_id, model_cfg, targets)
+
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    first = _worker(endpoints, batch_fn=slow)
+    second = None
+    try:
+        with _client(endpoints, slot_count=4) as client:
+            generation = client.set_model("stopping")
+            seen: set[int] = set()
+            _take(client, generation, seen, 40)  # every slot now has the slow worker's lane
+            assert client._pool.counts["direct"] > 0
+            second = _worker(endpoints)
+            _take(client, generation, seen, 1)  # the slots are given back: DIRECTs queue at the slow one
+            first.stop()
+            assert not lane_path(first.peer_id).exists()
+            slots = _take(client, generation, seen, 200)
+            counts = dict(client._pool.counts)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        broker.stop()
+    assert counts["declined"] > 0
+    assert set(slots) == {0, 1, 2, 3}  # every slot came back into use
+
+
+def test_a_killed_worker_s_direct_slots_go_to_the_broker(procs, endpoints, broker_kwargs) -> None:
+    """A worker frozen while holding DIRECT requests, then killed: its slots are asked
+    for through the broker (same request ids) once its process is gone, and all eight
+    come back into use."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    doomed = procs.start(peers.run_worker, endpoints, name="doomed")
+    with _client(endpoints) as client:
+        generation = client.set_model("killed")
+        seen: set[int] = set()
+        _take(client, generation, seen, 100)  # every slot now has the doomed worker's lane
+        token = process_token(doomed.pid)
+        os.kill(doomed.pid, signal.SIGSTOP)
+        procs.start(peers.run_worker, endpoints, name="survivor")
+        deadline = time.monotonic() + 20
+        while token not in client._pool._direct.values():  # it holds DIRECTs it will never fill
+            assert time.monotonic() < deadline, "no DIRECT went to the frozen worker"
+            _take(client, generation, seen, 1)
+        os.kill(doomed.pid, signal.SIGKILL)
+        slots = _take(client, generation, seen, 300)
+        held = [slot for slot, process in client._pool._direct.items() if process == token]
+    broker.stop()
+    assert held == []
+    assert set(slots) == set(range(8))
+
+
+def test_a_model_switch_sends_direct_requests_to_the_broker_first(procs, endpoints, broker_kwargs) -> None:
+    """After SET_MODEL the worker has not seen the new model: it declines DIRECTs of the
+    new generation, the broker dispatches them (with the model), then the lane resumes."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    procs.start(peers.run_worker, endpoints, name="worker")
+    with _client(endpoints) as client:
+        first = client.set_model("before")
+        peers.consume_verified(client, first, 100)
+        direct_before = client._pool.counts["direct"]
+        second = client.set_model("after")
+        peers.consume_verified(client, second, 300)
+        counts = dict(client._pool.counts)
+    broker.stop()
+    assert second > first
+    assert counts["declined"] > 0 and counts["direct"] - direct_before >= 200
+
+
+def test_an_inbox_that_vanishes_is_bound_again_and_nothing_is_lost(procs, endpoints, broker_kwargs) -> None:
+    """Workers keep the answers to DIRECTs they could not deliver; the student binds its
+    inbox again at its next heartbeat and gets them (else its slots would stay pending)."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    procs.start(peers.run_worker, endpoints, name="worker")
+    with _client(endpoints) as client:
+        generation = client.set_model("vanish")
+        seen = peers.consume_verified(client, generation, 100)
+        inbox = client._pool._inbox
+        inbox.path.unlink()
+        peers.consume_verified(client, generation, 500, seen=seen)
+        assert client._pool._inbox is not inbox and client._pool._inbox.present()
+        counts = dict(client._pool.counts)
+    broker.stop()
+    assert counts["direct"] >= 300 and counts["rejected"] == 0
