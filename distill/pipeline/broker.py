@@ -673,6 +673,8 @@ class Broker:
             idle = 0
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
+        """A plain WORK (one run). A run opted in to fan-out is marked ``shared``, so its
+        slots keep coming through us (no direct requests) and can be shared later."""
         requests = self._take(run, count)
         self._count_queued(requests, -1)
         num_slots = sum(len(r.slots) for r in requests)
@@ -681,12 +683,15 @@ class Broker:
         worker.in_flight[work.work_id] = work
         worker.credit -= num_slots
         self._counters.dispatched += num_slots
-        protocol.send(self._backend, Command.WORK, {
+        body = {
             "work_id": work.work_id, "run_id": run.run_id, "generation": run.generation,
             "model_id": run.model_id, "model_cfg": run.model_cfg,
             "items": [[r.medium, slot_idx, r.stride, request_id]
                       for r in requests for slot_idx, request_id in r.slots],
-        }, identity=worker.identity)
+        }
+        if run.share_model:
+            body["shared"] = True
+        protocol.send(self._backend, Command.WORK, body, identity=worker.identity)
 
     def _send_next(self, worker: WorkerPeer, run: RunState) -> bool:
         """One WORK for ``worker``: ``run`` alone, or with the runs it shares its model

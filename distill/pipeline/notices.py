@@ -30,7 +30,7 @@ the fallback: the worker does not list that segment, and the broker completes it
 
 Direct requests (the *lane*) take the broker off the other half of the round trip.
 A worker binds its own datagram socket (``<peer_id>.lane``, same directory) and names
-it, with its process token, in the notices of plain (not fan-out) WORK. When the
+it, with its process token, in the notices of WORK of runs not opted in to fan-out. When the
 student gives such a slot back it sends the REQUEST for it (a DIRECT datagram, with
 the same request id rules) straight to that worker. The rules that keep delivery
 exact with no broker watching:

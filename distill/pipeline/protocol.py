@@ -62,7 +62,9 @@ field cuts ``items`` into consecutive groups, each of its own run and generation
 ``copies`` says which items get the very sample made for another item (its
 *source*, never itself a copy): the worker computes each source once and copies
 its payload into every copy's slot, whose header still carries the copy's own
-request id and generation. A WORK without ``runs`` is the plain, one-run WORK.
+request id and generation. A WORK without ``runs`` is the plain, one-run WORK; one of
+an opted-in run says ``shared``, and its worker offers no direct requests for it (they
+would bypass the broker, which could then never share that run's samples).
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?",
                     "direct": "dict?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
-                   "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?"},
+                   "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?",
+                   "shared": "bool?"},
     Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed",
                    "notified": "names?"},
     Command.COMPLETE: {"generation": "int", "slots": "done_slots", "lane": "str?", "process": "str?"},

@@ -189,7 +189,8 @@ class Worker:
         """DIRECT requests taken off the lane, not yet filled or declined."""
         self._models: dict[str, tuple[int, str, dict | None]] = {}
         """run -> (generation, model id, model cfg) of its last plain WORK: what a DIRECT may ask for."""
-        self._fanout_runs: set[str] = set()
+        self._shared_runs: set[str] = set()
+        """Runs opted in to fan-out: always through the broker, which shares their samples."""
         self._unsent: list[tuple[str, bytes, float]] = []
         """Answers to DIRECTs not delivered yet (inbox full or gone): (segment, datagram, give-up time)."""
         self._token = process_token()
@@ -418,9 +419,10 @@ class Worker:
         for idx, generation, (medium, slot_idx, _stride, request_id) in _with_generations(body):
             if idx not in failures and medium in self._segments and not is_tcp_medium(medium):
                 rows.setdefault((medium, generation), []).append([slot_idx, request_id, True])
-        # Plain WORK only: a fan-out run's slots must keep going through the broker,
+        # Not for a run opted in to fan-out: its slots must keep going through the broker,
         # which is what lets one teacher pass serve several runs.
-        lane = self._lane.path.as_posix() if self._lane is not None and body.get("runs") is None else None
+        shared = body.get("runs") is not None or body.get("shared")
+        lane = self._lane.path.as_posix() if self._lane is not None and not shared else None
         reached, missed = set(), set()
         for (medium, generation), slots in rows.items():
             (reached if self._outbox.send(medium, generation, slots, lane, self._token) else missed).add(medium)
@@ -439,7 +441,7 @@ class Worker:
         self._note_generation(run_id, generation, model_id)
         if group[0].command is Command.WORK:
             self._models[run_id] = (generation, model_id, first.get("model_cfg"))
-            self._fanout_runs.discard(run_id)
+            (self._shared_runs.add if first.get("shared") else self._shared_runs.discard)(run_id)
         runs: list[_Run] = []
         for work in group:
             self._add_targets(work.body, generation, runs, failed)
@@ -609,7 +611,12 @@ class Worker:
             return
         works, slots = [], 0
         while self._direct and slots < self.max_batch:
-            work = self._direct_work(self._direct.popleft().body, len(works))
+            body = self._direct.popleft().body
+            room = self.max_batch - slots
+            if len(body["slots"]) > room:  # the rest waits: a batch is at most max_batch slots
+                self._direct.appendleft(Message(Command.DIRECT, {**body, "slots": body["slots"][room:]}))
+                body = {**body, "slots": body["slots"][:room]}
+            work = self._direct_work(body, len(works))
             if work is not None:
                 works.append(work)
                 slots += len(work.body["items"])
@@ -623,7 +630,7 @@ class Worker:
         run_id, generation = body["run_id"], body["generation"]
         model = self._models.get(run_id)
         why = ("no WORK of this run seen" if model is None
-               else "fan-out run" if run_id in self._fanout_runs
+               else "fan-out run" if run_id in self._shared_runs
                else "network medium" if is_tcp_medium(body["medium"])
                else "another generation" if model[0] != generation or generation < self._generation.get(run_id, 0)
                else None)
@@ -740,7 +747,7 @@ class Worker:
                 failed.setdefault(body["work_id"], {}).update(dict.fromkeys(range(start, start + count), "stale"))
             else:
                 self._note_generation(run_id, generation, body["model_id"])
-                self._fanout_runs.add(run_id)
+                self._shared_runs.add(run_id)
                 live.extend(runs[first:])
             start += count
         return runs, live

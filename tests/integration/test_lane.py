@@ -70,12 +70,14 @@ def test_slots_go_back_to_the_worker_that_filled_them_past_the_broker(procs, end
     assert stats.failed == 0 and stats.bad_messages == 0
 
 
-@pytest.mark.parametrize("side", ["student", "worker"])
+@pytest.mark.parametrize("side", ["student", "worker", "shared run"])
 def test_direct_requests_turned_off_go_through_the_broker(procs, endpoints, broker_kwargs, side: str) -> None:
+    """Off on either side, or for a run opted in to fan-out (the broker must see its
+    requests to share its samples with other runs)."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     procs.start(peers.run_worker, endpoints, name="worker", direct_requests=side != "worker")
-    with _client(endpoints, direct_requests=side != "student") as client:
-        generation = client.set_model(f"broker-{side}")
+    with _client(endpoints, direct_requests=side != "student", share_model=side == "shared run") as client:
+        generation = client.set_model(f"broker-{side.replace(' ', '-')}")
         peers.consume_verified(client, generation, 200)
         counts = dict(client._pool.counts)
     broker.stop()
