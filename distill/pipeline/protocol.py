@@ -46,7 +46,9 @@ DONE can carry hundreds of slots cheaply:
 
 Workers count what they filled for DIRECT requests (which the broker never sees) in
 READY and HEARTBEAT: ``direct`` maps a run id to ``[filled, failed]`` slots so far,
-from which the broker's statistics add what is new.
+from which the broker's statistics add what is new. The broker's HEARTBEAT answers
+carry its ``interval_ms``: a peer that beats more slowly speeds up to it (a student
+served by direct requests sends the broker nothing but beats).
 
 A worker that stops answering may still be writing into the slots it was given
 (frozen, not dead). Its slots are not handed to anyone else: the broker sends the

@@ -23,6 +23,11 @@ run's generation; a run whose generation is stale here gets no header ("stale"),
 while its sources are still computed for the other runs that copy them.
 The payload is written first and the slot header last (see ``slot.py``): all
 headers of a batch at once, through one NumPy view of the segment's headers.
+Students on this machine also ask the worker directly (``direct_requests``, see
+``notices.py``): a DIRECT datagram on the worker's lane is filled like the WORK the
+broker would have sent, with the model of the run's last plain WORK, and answered
+with a notice; one the worker cannot fill as the broker would is declined. Broker
+WORK comes first: while some waits, every DIRECT is declined.
 Each slot's address is checked and its views are decoded once, the first time it
 is filled, and the same tensor views serve every later fill of that slot: write
 into them (``copy_``, indexing), never change them in place (``resize_``,
