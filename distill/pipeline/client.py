@@ -140,8 +140,8 @@ class SlotPool:
         """slot -> process token of the worker its pending request went to by DIRECT."""
         self._visible: dict[str, bool] = {}
         """process token -> whether this process can see it run (a lane is used only then)."""
-        self._direct_checked = 0.0
-        self._inbox_checked = time.monotonic()
+        self._checked = 0.0
+        """When the checks that run once per heartbeat interval last ran (``_beat_checks``)."""
         self._notice_dir = notice_dir
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -162,7 +162,6 @@ class SlotPool:
                        "direct": 0, "declined": 0}
         self._quarantined: dict[int, str | None] = {}  # slot -> process token of its writer
         self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
-        self._quarantine_checked = 0.0
         self._closed = False
         self._met_broker = False
         self._warned_silent = False
@@ -299,12 +298,8 @@ class SlotPool:
             self._check_refused()
             self.flush()
             self._check_broker()
-            if self._quarantined:
-                self._check_quarantine()
-            if self._direct:
-                self._check_direct()
-            if self.direct_requests:
-                self._check_inbox()
+            if time.monotonic() - self._checked >= self._heart.interval_s:
+                self._beat_checks()
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
@@ -511,13 +506,20 @@ class SlotPool:
                 self.counts["declined"] += 1
         log.debug("%s: %d direct request(s) declined: %s", self.peer_id, len(rows), reason)
 
+    def _beat_checks(self) -> None:
+        """What waits on other processes, looked at once per heartbeat interval (each needs
+        a system call per slot or writer): quarantined slots, DIRECT slots, our inbox."""
+        self._checked = time.monotonic()
+        if self._quarantined:
+            self._check_quarantine()
+        if self._direct:
+            self._check_direct()
+        if self.direct_requests:
+            self._check_inbox()
+
     def _check_inbox(self) -> None:
-        """Bind our inbox again if its file vanished (checked once per beat): workers
-        keep answers to DIRECT requests for a while, and would lose them otherwise."""
-        now = time.monotonic()
-        if now - self._inbox_checked < self._heart.interval_s:
-            return
-        self._inbox_checked = now
+        """Bind our inbox again if its file vanished: workers keep answers to DIRECT
+        requests for a while, and would lose them otherwise."""
         if self._inbox.present():
             return
         self._take_notices()  # what reached the old socket
@@ -534,11 +536,7 @@ class SlotPool:
 
     def _check_direct(self) -> None:
         """Slots asked of a worker by DIRECT whose process is gone go to the broker, with
-        the same request ids (checked once per beat): nobody can write them any more."""
-        now = time.monotonic()
-        if now - self._direct_checked < self._heart.interval_s:
-            return
-        self._direct_checked = now
+        the same request ids: nobody can write them any more."""
         alive: dict[str, bool] = {}
         for slot, process in list(self._direct.items()):
             if process not in alive:
@@ -608,11 +606,7 @@ class SlotPool:
             self._queue_request(slot)
 
     def _check_quarantine(self) -> None:
-        """Free quarantined slots whose writer process is gone (checked once per beat)."""
-        now = time.monotonic()
-        if now - self._quarantine_checked < self._heart.interval_s:
-            return
-        self._quarantine_checked = now
+        """Free quarantined slots whose writer process is gone."""
         for slot, process in list(self._quarantined.items()):
             if process_alive(process) is False:
                 self._unquarantine(slot)

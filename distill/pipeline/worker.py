@@ -660,8 +660,10 @@ class Worker:
         slots, stale = [], []
         for idx, (_medium, slot_idx, _stride, request_id) in enumerate(body["items"]):
             why = failures.get(idx)
-            (stale if why == "stale" else slots).append([slot_idx, request_id] if why == "stale"
-                                                       else [slot_idx, request_id, why is None])
+            if why == "stale":
+                stale.append([slot_idx, request_id])
+            else:
+                slots.append([slot_idx, request_id, why is None])
         filled = sum(1 for row in slots if row[2])
         self.direct_filled += filled
         done, failed = self._direct_counts.get(body["run_id"], (0, 0))
