@@ -190,6 +190,8 @@ class Worker:
         self.direct_requests = direct_requests
         """Take DIRECT requests from students we notify, past the broker (``notices.py``)."""
         self._lane: RequestLane | None = None
+        self._lane_name: str | None = None
+        """The lane's path as notices name it (made once, not per notice)."""
         self._direct: deque[Message] = deque()
         """DIRECT requests taken off the lane, not yet filled or declined."""
         self._models: dict[str, tuple[int, str, dict | None]] = {}
@@ -233,6 +235,7 @@ class Worker:
         self._outbox = NoticeOutbox(self.notice_dir) if self.notify_students else None
         if self._outbox is not None and self.direct_requests:
             self._lane = RequestLane.open(self.peer_id, self.notice_dir)
+            self._lane_name = None if self._lane is None else os.fspath(self._lane.path)
         try:
             self._serve(sock, sub, heart)
         finally:
@@ -427,7 +430,7 @@ class Worker:
         # Not for a run opted in to fan-out: its slots must keep going through the broker,
         # which is what lets one teacher pass serve several runs.
         shared = body.get("runs") is not None or body.get("shared")
-        lane = self._lane.path.as_posix() if self._lane is not None and not shared else None
+        lane = None if shared else self._lane_name
         reached, missed = set(), set()
         for (medium, generation), slots in rows.items():
             (reached if self._outbox.send(medium, generation, slots, lane, self._token) else missed).add(medium)
@@ -671,8 +674,7 @@ class Worker:
         if stale:
             self._decline({**body, "slots": stale}, "another generation")
         if slots:
-            lane = self._lane.path.as_posix() if self._lane is not None else None
-            self._post(body["medium"], encode_notice(body["generation"], slots, lane, self._token))
+            self._post(body["medium"], encode_notice(body["generation"], slots, self._lane_name, self._token))
 
     def _decline(self, body: dict, why: str) -> None:
         self._post(body["medium"], encode_datagram(Command.DECLINED, {
@@ -705,7 +707,7 @@ class Worker:
         if self._lane is None:
             return
         self._direct.extend(self._lane.shut())
-        self._lane = None
+        self._lane = self._lane_name = None
         while self._direct:
             self._decline(self._direct.popleft().body, "the worker is stopping")
         deadline = time.monotonic() + 0.2  # short: a student that is gone makes us wait it all
