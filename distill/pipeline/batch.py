@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,9 +78,14 @@ class BatchConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"BatchConfig: duplicate tensor names in {names}")
         self._offsets: dict[str, int] = {}
+        self._layout: list[tuple[str, int, int, torch.dtype]] = []
+        """(name, offset, bytes, dtype) of each non-empty tensor: what ``gather`` needs, worked
+        out once (the properties of a spec cost microseconds each, per sample)."""
         offset = 0
         for spec in self.specs:
             self._offsets[spec.name] = offset
+            if spec.nbytes:
+                self._layout.append((spec.name, offset, spec.nbytes, spec.torch_dtype))
             offset += spec.nbytes
         self._nbytes = offset
 
@@ -147,23 +152,49 @@ class BatchConfig:
         """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""
         return {spec.name: self._view(data, spec) for spec in self.specs}
 
-    def gather(self, rows: torch.Tensor, index: torch.Tensor, out: Mapping[str, torch.Tensor],
+    def gather(self, rows: torch.Tensor, index: torch.Tensor | Sequence[int], out: Mapping[str, torch.Tensor],
                start: int = 0) -> None:
         """Copy encoded samples ``rows[index]`` into ``out[name][start:start + len(index)]``.
 
         ``rows`` is a uint8 tensor with one encoded sample per row (``[N, >= nbytes()]``,
         rows may be strided, e.g. the payloads of shared-memory slots); ``out`` holds
-        contiguous batch tensors ``[B, *shape]``. One :func:`copy_rows` per tensor.
+        contiguous batch tensors ``[B, *shape]``. Tensors of at least
+        ``LARGE_ROW_BYTES`` a sample are copied with one ``memmove`` per sample straight
+        between addresses, the others with one :func:`copy_rows` per tensor: with one
+        or two large samples per call, slicing tensors would cost more than the rest of
+        the student's bookkeeping.
         """
-        count = len(index)
-        for spec in self.specs:
-            if spec.nbytes == 0:
+        picks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        count = len(picks)
+        if picks and (min(picks) < 0 or max(picks) >= rows.shape[0]):
+            raise IndexError(f"gather: row index outside [0, {rows.shape[0]}): {picks}")
+        batches = [self._gather_target(out, name, nbytes, dtype, start, count)
+                   for name, _, nbytes, dtype in self._layout]  # all checked before anything is written
+        direct = _memmove_source(rows)
+        index_tensor = None
+        for (_, offset, nbytes, _), batch in zip(self._layout, batches, strict=True):
+            if direct and nbytes >= LARGE_ROW_BYTES and batch.device.type == "cpu" \
+                    and offset + nbytes <= rows.shape[1]:
+                _memmove_rows(rows, picks, offset, nbytes, batch.data_ptr() + start * nbytes)
                 continue
-            offset = self._offsets[spec.name]
-            target = out[spec.name][start:start + count]
-            if not target.is_contiguous() or target.dtype != spec.torch_dtype:
-                raise ValueError(f"gather: out[{spec.name!r}] must be a contiguous {spec.dtype} batch")
-            copy_rows(rows[:, offset:offset + spec.nbytes], index, target.view(torch.uint8).view(count, spec.nbytes))
+            if index_tensor is None:
+                index_tensor = torch.tensor(picks, dtype=torch.int64)
+            copy_rows(rows[:, offset:offset + nbytes], index_tensor,
+                      batch[start:start + count].view(torch.uint8).view(count, nbytes))
+
+    @staticmethod
+    def _gather_target(out: Mapping[str, torch.Tensor], name: str, nbytes: int, dtype: torch.dtype,
+                       start: int, count: int) -> torch.Tensor:
+        """``out[name]``, checked to take ``count`` samples of ``nbytes`` from row ``start``."""
+        batch = out[name]
+        if not batch.is_contiguous() or batch.dtype != dtype or batch.dim() == 0:
+            raise ValueError(f"gather: out[{name!r}] must be a contiguous {dtype} batch")
+        if batch.numel() * batch.element_size() != batch.shape[0] * nbytes:
+            raise ValueError(f"gather: out[{name!r}] has rows of {tuple(batch.shape[1:])}, not the spec's")
+        if not 0 <= start <= start + count <= batch.shape[0]:
+            raise ValueError(f"gather: rows {start}..{start + count} outside out[{name!r}] "
+                             f"({batch.shape[0]} rows)")
+        return batch
 
     def decode_single(self, data: Buffer, name: str) -> torch.Tensor:
         """A view of one tensor in ``data``."""
@@ -206,19 +237,29 @@ def copy_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None
     if width < LARGE_ROW_BYTES or not _memmove_ok(src, dst):
         torch.index_select(src, 0, index, out=dst)
         return
-    rows = index.tolist()
+    _memmove_rows(src, index.tolist(), 0, width, dst.data_ptr())
+
+
+def _memmove_rows(src: torch.Tensor, rows: list[int], offset: int, width: int, dst_ptr: int) -> None:
+    """Bytes ``offset:offset + width`` of ``src[rows[i]]`` to ``dst_ptr + i * width``, one
+    ``memmove`` each. ``src`` passed :func:`_memmove_source` and is wide enough, and the
+    caller owns the destination: only the row indices are left to check."""
     if rows and (min(rows) < 0 or max(rows) >= src.shape[0]):
         raise IndexError(f"row index outside [0, {src.shape[0]}): {rows}")
-    src_ptr, src_stride, dst_ptr = src.data_ptr(), src.stride(0), dst.data_ptr()
+    src_ptr, src_stride = src.data_ptr() + offset, src.stride(0)
     for i, row in enumerate(rows):
         ctypes.memmove(dst_ptr + i * width, src_ptr + row * src_stride, width)
 
 
+def _memmove_source(src: torch.Tensor) -> bool:
+    """A CPU byte matrix whose rows are each contiguous in memory."""
+    return src.device.type == "cpu" and src.dtype == torch.uint8 and src.dim() == 2 and src.stride(1) == 1
+
+
 def _memmove_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Both byte matrices on the CPU, rows of equal width, each row contiguous in memory."""
-    return (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype == torch.uint8
-            and src.dim() == dst.dim() == 2 and src.shape[1] == dst.shape[1] and src.stride(1) == 1
-            and dst.is_contiguous())
+    return (_memmove_source(src) and dst.device.type == "cpu" and dst.dtype == torch.uint8 and dst.dim() == 2
+            and src.shape[1] == dst.shape[1] and dst.is_contiguous())
 
 
 def _as_spec(spec: TensorSpec | Mapping[str, Any]) -> TensorSpec:

@@ -55,11 +55,8 @@ from distill.pipeline.notices import NoticeInbox, encode_datagram
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
+    HeaderTable,
     check_slot,
-    check_slots,
-    clear_header,
-    clear_headers,
-    header_table,
     slot_stride,
 )
 from distill.pipeline.throttle import LogThrottle
@@ -117,7 +114,7 @@ class SlotPool:
         # Views of the whole segment, made once (through their own memoryviews, so
         # closing the medium is not blocked by them): every header as one record
         # array, every payload as one row of a [slot_count, payload_bytes] tensor.
-        self._headers = header_table(self.medium.buf[:], stride)
+        self._headers = HeaderTable(self.medium.buf[:], stride)
         self._payload_rows = torch.frombuffer(self.medium.buf[:], dtype=torch.uint8).view(
             slot_count, stride)[:, HEADER_BYTES:HEADER_BYTES + payload_bytes]
         self._slot_views: dict[int, tuple[memoryview, dict[str, torch.Tensor]]] = {}
@@ -186,7 +183,7 @@ class SlotPool:
         for slot_idx in slot_idxs:
             if not 0 <= slot_idx < len(self._headers):
                 raise IndexError(f"slot {slot_idx} outside [0, {len(self._headers)})")
-        clear_headers(self._headers, slot_idxs)
+        self._headers.clear(slot_idxs)
         if self._reissue:
             for slot_idx in slot_idxs:
                 self._pending[slot_idx] = self._new_request_id()
@@ -198,7 +195,7 @@ class SlotPool:
         self._to_request.extend(slot_idxs)
 
     def _queue_request(self, slot_idx: int) -> None:
-        clear_header(self.medium.slot_view(slot_idx))
+        self._headers.clear([slot_idx])
         self._pending[slot_idx] = self._new_request_id()
         self._to_request.append(slot_idx)
 
@@ -305,9 +302,12 @@ class SlotPool:
                 return []
             if self._data_sock is not None:
                 self._wait_network(min(left, self._heart.interval_s))
-            elif self._poller.poll(min(left, self._heart.interval_s) * 1000):
-                self._take_notices()
-                self._drain()
+            else:
+                ready = dict(self._poller.poll(min(left, self._heart.interval_s) * 1000))
+                if self._inbox is not None and self._inbox.fileno() in ready:
+                    self._take_notices()
+                if self._sock in ready:  # asking only then saves a call per sample of large ones
+                    self._drain()
 
     def _take_ready(self, max_count: int) -> list[tuple[int, int, int]]:
         """Pop up to ``max_count`` ready slots; stale ones are asked for again."""
@@ -391,12 +391,12 @@ class SlotPool:
             reqs.append(req)
         if not slots:
             return
-        matches = check_slots(self._headers, slots, generation, reqs, self.payload_bytes)
-        if matches.all():
+        matches = self._headers.check(slots, generation, reqs, self.payload_bytes)
+        if all(matches):
             self.counts["accepted"] += len(slots)
             self._ready.extend(zip(slots, [generation] * len(slots), reqs, strict=True))
         else:
-            slots = [slot for slot, req, match in zip(slots, reqs, matches.tolist(), strict=True)
+            slots = [slot for slot, req, match in zip(slots, reqs, matches, strict=True)
                      if self._accept_or_refuse(slot, generation, req, match, notice=notice,
                                                direct=was_direct.get(slot))]
         if notice and self.direct_requests:
@@ -451,7 +451,7 @@ class SlotPool:
                                    slot, problem)
             return False
         if problem is not None and self._data_sock is not None and slot not in self._awaiting \
-                and self._headers[slot]["request_id"] == 0:  # header never written: data on its way
+                and self._headers.request_id(slot) == 0:  # header never written: data on its way
             self._awaiting[slot] = (generation, req, time.monotonic() + DATA_WAIT_S)
             return False
         self._awaiting.pop(slot, None)
@@ -676,8 +676,7 @@ class SlotPool:
     def gather(self, slot_idxs: list[int], batch_config: BatchConfig, out: dict[str, torch.Tensor],
                row: int) -> None:
         """Copy the samples of ``slot_idxs`` into rows ``row...`` of the batch ``out``."""
-        index = torch.tensor(slot_idxs, dtype=torch.int64)
-        batch_config.gather(self._payload_rows, index, out, row)
+        batch_config.gather(self._payload_rows, slot_idxs, out, row)
 
     def close(self) -> None:
         if self._closed:

@@ -46,7 +46,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import zmq
 
@@ -73,11 +72,10 @@ from distill.pipeline.notices import (
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.slot import (
     HEADER_BYTES,
+    HeaderTable,
     SlotHeader,
-    header_table,
     payload_checksum,
     write_header,
-    write_headers,
 )
 from distill.pipeline.throttle import LogThrottle
 
@@ -116,7 +114,7 @@ class _Segment:
     view: memoryview
     slots: dict[int, dict[int, SlotViews]] = field(default_factory=dict)
     """stride -> slot_idx -> the slot's payload view and decoded tensors."""
-    tables: dict[int, np.ndarray] = field(default_factory=dict)
+    tables: dict[int, HeaderTable] = field(default_factory=dict)
     """stride -> the header table of the segment cut in slots of that stride."""
 
 
@@ -580,11 +578,11 @@ class Worker:
         self._segments.move_to_end(run.medium)  # least recently used segments are unmapped first
         table = segment.tables.get(run.stride)
         if table is None:
-            table = segment.tables[run.stride] = header_table(segment.view[:], run.stride)
+            table = segment.tables[run.stride] = HeaderTable(segment.view[:], run.stride)
         checksums = ([payload_checksum(target.payload[:length])
                       for target, length in zip(targets, lengths, strict=True)] if self.checksum else None)
-        write_headers(table, slot_idxs, targets[0].generation, [target.request_id for target in targets],
-                      lengths, checksums)
+        table.write(slot_idxs, targets[0].generation, [target.request_id for target in targets], lengths,
+                    checksums)
         self.samples_written += len(slot_idxs)
 
     def _send_staged(self, run: _Run, slot_idxs: list[int], targets: list[SlotTarget],

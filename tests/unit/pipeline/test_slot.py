@@ -1,4 +1,5 @@
-"""The slot header: the vectorised table functions against the one-slot reference."""
+"""The slot header: the vectorised table functions against the one-slot reference, and
+the HeaderTable's one-slot-at-a-time path against the vectorised functions."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from distill.pipeline import BatchConfig, TensorSpec
 from distill.pipeline.batch import LARGE_ROW_BYTES, copy_rows
 from distill.pipeline.slot import (
+    FEW_SLOTS,
     HEADER_BYTES,
+    HeaderTable,
     SlotHeader,
     check_slot,
     check_slots,
@@ -85,6 +88,82 @@ def test_check_slots_agrees_with_check_slot() -> None:
             assert reference and not ok
 
 
+def _mixed_headers(buf: memoryview) -> None:
+    """Headers of every kind check_slots tells apart, at random: good, stale, foreign,
+    short, torn, checksummed, unknown flag bits, wrong magic or version."""
+    rng = random.Random(2)
+    for slot in range(SLOTS):
+        kind = rng.randrange(9)
+        write_header(buf[slot * STRIDE:], SlotHeader(3 if kind != 1 else 2, 100 + slot if kind != 2 else 7,
+                                                     PAYLOAD if kind != 3 else 1, 5 if kind == 5 else None))
+        if kind == 4:
+            clear_header(buf[slot * STRIDE:])
+        elif kind == 6:
+            buf[slot * STRIDE + 6] |= 0x02  # a flag bit this version does not know
+        elif kind == 7:
+            buf[slot * STRIDE] = ord("X")
+        elif kind == 8:
+            buf[slot * STRIDE + 4] = 9
+
+
+def test_header_table_checks_few_slots_as_check_slots_does() -> None:
+    buf = _segment()
+    _mixed_headers(buf)
+    table = HeaderTable(buf, STRIDE)
+    rng = random.Random(3)
+    for _ in range(200):
+        slots = rng.sample(range(SLOTS), rng.randint(1, SLOTS))
+        reqs = [100 + s if rng.random() < 0.9 else 7 for s in slots]
+        generation = rng.choice([3, 3, 3, 2])
+        expected = check_slots(table.records, slots, generation, reqs, PAYLOAD).tolist()
+        assert table.check(slots, generation, reqs, PAYLOAD) == expected
+    assert any(table.check(list(range(FEW_SLOTS)), 3, [100 + s for s in range(FEW_SLOTS)], PAYLOAD))
+
+
+def test_header_table_writes_and_clears_few_slots_as_the_table_functions_do() -> None:
+    rng = random.Random(4)
+    for trial in range(100):
+        slots = rng.sample(range(SLOTS), rng.randint(1, SLOTS))
+        generation = rng.randrange(2**63)
+        reqs = [rng.randrange(2**63) for _ in slots]
+        lens = rng.randrange(PAYLOAD + 1) if trial % 3 == 0 else [rng.randrange(PAYLOAD + 1) for _ in slots]
+        checksums = [rng.randrange(2**32) for _ in slots] if trial % 2 else None
+        garbage = bytearray(rng.randbytes(SLOTS * STRIDE))  # payloads; headers cleared, as students leave them
+        for slot in range(SLOTS):
+            garbage[slot * STRIDE:slot * STRIDE + HEADER_BYTES] = bytes(HEADER_BYTES)
+        ours, reference = memoryview(bytearray(garbage)), memoryview(bytearray(garbage))
+        HeaderTable(ours, STRIDE).write(slots, generation, reqs, lens, checksums)
+        write_headers(header_table(reference, STRIDE), slots, generation, reqs, lens, checksums)
+        assert bytes(ours) == bytes(reference)
+        cleared = slots[:rng.randint(1, len(slots))]
+        HeaderTable(ours, STRIDE).clear(cleared)
+        clear_headers(header_table(reference, STRIDE), cleared)
+        assert bytes(ours) == bytes(reference)
+        table = HeaderTable(ours, STRIDE)
+        assert [table.request_id(s) for s in slots] == [0 if s in cleared else r for s, r in zip(slots, reqs, strict=True)]
+
+
+def test_header_table_refuses_slots_outside_it_and_zeroes_reserved_bytes() -> None:
+    """NumPy would wrap a negative index to the last slot; the table refuses it instead.
+    A header it writes is whole: reserved bytes a bad writer left behind are zeroed."""
+    buf = _segment()
+    table = HeaderTable(buf, STRIDE)
+    buf[STRIDE:2 * STRIDE] = b"\xff" * STRIDE
+    table.write([1], 2, [3], PAYLOAD)
+    assert bytes(buf[STRIDE + 36:STRIDE + HEADER_BYTES]) == bytes(HEADER_BYTES - 36)
+    assert read_header(buf[STRIDE:]) == SlotHeader(2, 3, PAYLOAD)
+    assert bytes(buf[STRIDE + HEADER_BYTES:2 * STRIDE]) == b"\xff" * (STRIDE - HEADER_BYTES)
+    buf[STRIDE:2 * STRIDE] = bytes(STRIDE)
+    for slot in (-1, SLOTS):
+        with pytest.raises(IndexError, match="outside"):
+            table.write([slot], 1, [1], PAYLOAD)
+        with pytest.raises(IndexError, match="outside"):
+            table.clear([slot])
+        with pytest.raises(IndexError, match="outside"):
+            table.check([slot], 1, [1], PAYLOAD)
+    assert bytes(buf) == bytes(len(buf)) and len(table) == SLOTS
+
+
 def test_clear_headers_invalidates_only_those_slots() -> None:
     buf = _segment()
     table = header_table(buf, STRIDE)
@@ -136,6 +215,34 @@ def test_gather_of_large_rows_uses_exact_bounds() -> None:
         copy_rows(rows, torch.tensor([6]), out[:1])
     with pytest.raises(IndexError, match="outside"):
         copy_rows(rows, torch.tensor([-1]), out[:1])
+
+
+def test_gather_copies_large_tensors_by_address_and_small_ones_by_index() -> None:
+    """A sample with a large tensor between small ones: the large one goes by memmove
+    (offset inside the row), the others by index_select; rows around the batch rows
+    are untouched, and a gather that would not fit the batch writes nothing."""
+    config = BatchConfig([TensorSpec("ids", (3,), "int64"),
+                          TensorSpec("hidden", (LARGE_ROW_BYTES // 2 + 8,), "bfloat16"),
+                          TensorSpec("mask", (5,), "uint8")])
+    stride = slot_stride(config.nbytes())
+    buf = torch.randint(0, 256, (5 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    rows = buf.view(5, stride)[:, HEADER_BYTES:HEADER_BYTES + config.nbytes()]
+    out = {s.name: torch.zeros((6, *s.shape), dtype=s.torch_dtype) for s in config.specs}
+    config.gather(rows, [4, 0, 4], out, start=2)
+    for i, slot in enumerate([4, 0, 4]):
+        views = config.decode(memoryview(rows[slot].numpy()))
+        for name, view in views.items():
+            assert torch.equal(out[name][2 + i].view(torch.uint8), view.view(torch.uint8))  # NaNs too
+    for name in ("ids", "hidden", "mask"):
+        assert not out[name][:2].any() and not out[name][5:].any()
+    before = {name: tensor.clone() for name, tensor in out.items()}
+    with pytest.raises(ValueError, match="outside"):
+        config.gather(rows, [1, 2], out, start=5)
+    with pytest.raises(IndexError, match="outside"):
+        config.gather(rows, [5], out, start=0)
+    with pytest.raises(ValueError, match="rows of"):
+        config.gather(rows, [1], {**out, "hidden": torch.zeros((6, 7), dtype=torch.bfloat16)})
+    assert all(torch.equal(out[name].view(torch.uint8), before[name].view(torch.uint8)) for name in out)
 
 
 def test_gather_falls_back_to_index_select_for_strided_targets() -> None:
