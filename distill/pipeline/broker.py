@@ -846,7 +846,10 @@ class Broker:
         peer.in_flight.clear()
 
     def _quarantine(self, peer: WorkerPeer) -> None:
-        """A silent worker may still write its slots: tell their students not to reuse them."""
+        """A silent worker may still write its slots: tell their students not to reuse them.
+
+        It may also hold slots students asked of it directly, which we never saw: every
+        live student hears ``direct`` for its process (a local worker: it has a token)."""
         live = {s.identity for s in self._students.values()}
         for work in peer.in_flight.values():
             self._settled(work.requests, answered=False)
@@ -862,6 +865,10 @@ class Broker:
         peer.in_flight.clear()
         while len(self._zombie_works) > MAX_ZOMBIE_WORKS:
             self._zombie_works.pop(next(iter(self._zombie_works)))
+        if peer.process is not None:
+            for student in live:
+                protocol.send(self._frontend, Command.QUARANTINE,
+                              {"slots": [], "process": peer.process, "direct": True}, identity=student)
 
     def _release(self, work: Work) -> None:
         """The late DONE of a quarantined work: its slots may be filled again (its data is not used)."""

@@ -158,6 +158,8 @@ class SlotPool:
                        "quarantined": 0, "released": 0, "refused": 0, "notices": 0,
                        "direct": 0, "declined": 0}
         self._quarantined: dict[int, str | None] = {}  # slot -> process token of its writer
+        self._late: dict[int, int] = {}
+        """Quarantined slot -> the request id a silent worker holds it for by DIRECT."""
         self._reissue: deque[int] = deque()  # request ids of quarantined slots, asked for again
         self._closed = False
         self._met_broker = False
@@ -350,7 +352,7 @@ class SlotPool:
         elif msg.command is Command.DISCARDED:
             self._on_discarded(msg.body["slots"])
         elif msg.command is Command.QUARANTINE:
-            self._on_quarantine(msg.body["slots"], msg.body.get("process"))
+            self._on_quarantine(msg.body["slots"], msg.body.get("process"), direct=bool(msg.body.get("direct")))
         elif msg.command is Command.RELEASE:
             self._on_release(msg.body["slots"])
         elif msg.command is Command.ERROR:
@@ -378,7 +380,8 @@ class SlotPool:
         slots, reqs, was_direct = [], [], {}
         for slot, req, ok in rows:
             if pending.get(slot) != req:
-                self.counts["rejected"] += 1  # not what we asked for (late or foreign)
+                if not (notice and self._late and self._settle_late(slot, req)):
+                    self.counts["rejected"] += 1  # not what we asked for (late or foreign)
                 continue
             del pending[slot]
             if self._direct and (token := self._direct.pop(slot, None)) is not None:
@@ -500,6 +503,8 @@ class SlotPool:
     def _on_declined(self, rows: list[list[int]], reason: str) -> None:
         """A worker will not fill these DIRECT slots: the broker gets them, same request ids."""
         for slot, req in rows:
+            if self._late and self._settle_late(slot, req):
+                continue
             if self._pending.get(slot) == req and self._direct.pop(slot, None) is not None:
                 self._lanes.pop(slot, None)
                 self._to_request.append(slot)
@@ -565,9 +570,14 @@ class SlotPool:
         time.sleep(BACKOFF_MAX_S)
         self._to_request.extend(again)
 
-    def _on_quarantine(self, rows: list[list[int]], process: str | None) -> None:
+    def _on_quarantine(self, rows: list[list[int]], process: str | None, *, direct: bool = False) -> None:
         """A worker declared dead may still write these slots: keep them out of use and
-        ask for their samples in other slots."""
+        ask for their samples in other slots; with ``direct``, also those we asked of it
+        by DIRECT (the broker never saw them)."""
+        if direct and process is not None:
+            self._quarantine_direct(process)
+        if not rows:
+            return
         if process_alive(process) is None:
             # A process we cannot see (another machine, another pid namespace, or no
             # token at all) has not mapped our segment: over the network medium it
@@ -590,6 +600,37 @@ class SlotPool:
                         len(self._headers) - len(self._quarantined), len(self._headers))
             self._reissue_now()
 
+    def _quarantine_direct(self, process: str) -> None:
+        """Slots held by DIRECT at a worker the broker gave up on: out of use until that
+        worker answers them late (``_settle_late``) or its process is gone; their samples
+        are asked for in other slots, and no more requests go to its lane."""
+        held = [slot for slot, token in self._direct.items() if token == process]
+        for slot in held:
+            del self._direct[slot]
+            req = self._pending.pop(slot, None)
+            if req is None:
+                continue
+            self._quarantined[slot] = process
+            self._late[slot] = req
+            self._reissue.append(req)
+        for slot in [slot for slot, lane in self._lanes.items() if lane[1] == process]:
+            del self._lanes[slot]
+        if held:
+            self.counts["quarantined"] += len(held)
+            log.warning("%s: %d slot(s) asked of a silent worker directly quarantined; %d of %d slots "
+                        "left in use", self.peer_id, len(held), len(self._headers) - len(self._quarantined),
+                        len(self._headers))
+            self._reissue_now()
+
+    def _settle_late(self, slot: int, req: int) -> bool:
+        """A late answer (notice or DECLINED) of a worker to a DIRECT whose slot we had
+        quarantined: that worker is done with the slot, which goes back into use (its
+        sample was asked for elsewhere and is not used). True when it was one."""
+        if self._late.get(slot) != req:
+            return False
+        self._unquarantine(slot)
+        return True
+
     def _reissue_now(self) -> None:
         """Slots already free (never requested) can carry re-issued requests at once."""
         while self._reissue and self._free:
@@ -601,6 +642,7 @@ class SlotPool:
             self._unquarantine(slot)
 
     def _unquarantine(self, slot: int) -> None:
+        self._late.pop(slot, None)
         if self._quarantined.pop(slot, False) is not False:
             self.counts["released"] += 1
             self._queue_request(slot)

@@ -45,6 +45,11 @@ exact with no broker watching:
   and when the worker's process is gone (its token no longer runs): in each case no
   one will write that slot. It never asks the broker for a slot a live worker holds
   by a DIRECT, not even after a broker restart (two writers could race on it).
+- A worker the broker gives up on (missed heartbeats: frozen, or hung) may still be
+  alive: the broker's QUARANTINE says ``direct`` for its process, and the student
+  quarantines the slots it holds by DIRECT, asks for their request ids in other slots
+  and sends it no more DIRECTs. Its late answer to each (notice or DECLINED) brings
+  that slot back into use; so does its process ending.
 - A worker that cannot answer a DIRECT now (the inbox's queue is full, or its file is
   gone) keeps the answer and tries again for ``ANSWER_RETRY_S``: the broker cannot
   complete a fill it never dispatched. A student whose inbox file vanished (a cleaner

@@ -54,7 +54,10 @@ A worker that stops answering may still be writing into the slots it was given
 (frozen, not dead). Its slots are not handed to anyone else: the broker sends the
 student QUARANTINE (with the worker's process token, see ``liveness.process_token``),
 and RELEASE when the worker's late DONE proves it is done with them; the student
-also frees them itself once that process is gone. SET_MODEL carries the leader's
+also frees them itself once that process is gone. The broker never sees DIRECT
+requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
+slots you asked of this process directly"; the student quarantines those too and
+frees each when that worker's late answer to it (notice or DECLINED) comes. SET_MODEL carries the leader's
 epoch: a switch from an older epoch than the run has seen is refused.
 
 Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
@@ -79,7 +82,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
@@ -159,7 +162,7 @@ SCHEMA: dict[Command, dict[str, str]] = {
                    "notified": "names?"},
     Command.COMPLETE: {"generation": "int", "slots": "done_slots", "lane": "str?", "process": "str?"},
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
-    Command.QUARANTINE: {"slots": "slots", "process": "str?"},
+    Command.QUARANTINE: {"slots": "slots", "process": "str?", "direct": "bool?"},
     Command.RELEASE: {"slots": "slots"},
     Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
                         "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str",

@@ -141,6 +141,47 @@ def test_a_killed_worker_s_direct_slots_go_to_the_broker(procs, endpoints, broke
     assert set(slots) == set(range(8))
 
 
+def test_a_frozen_worker_s_direct_slots_are_quarantined_until_it_answers_late(procs, endpoints,
+                                                                             broker_kwargs) -> None:
+    """Two workers; one is frozen while it holds DIRECT requests and stays frozen. Once
+    the broker gives up on it, the student quarantines those slots (the worker may
+    still write them) and the other worker fills their request ids in other slots: no
+    sample waits for the frozen worker. Thawed, it answers late, which brings the slots
+    back into use; no request id is ever yielded twice."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    frozen = procs.start(peers.run_worker, endpoints, max_batch=2, name="frozen")
+    procs.start(peers.run_worker, endpoints, max_batch=2, name="other")
+    _wait_for(lambda: broker.stats.workers == 2)  # so the first requests are split between them
+    with _client(endpoints) as client:
+        pool = client._pool
+        generation = client.set_model("frozen")
+        seen: set[int] = set()
+        _take(client, generation, seen, 40)
+        token = process_token(frozen.pid)
+        lanes = [lane[1] for lane in pool._lanes.values()]
+        assert 0 < lanes.count(token) < 8, "the slots were not split between the workers"
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20
+            while not pool._late:  # slots quarantined for what the silent worker holds by DIRECT
+                assert time.monotonic() < deadline, "the silent worker's DIRECT slots were never quarantined"
+                _take(client, generation, seen, 1)
+            asked = {req for slot, req in pool._late.items() if pool._quarantined[slot] == token}
+            assert asked and token not in pool._direct.values()
+            deadline = time.monotonic() + 20
+            while not asked <= seen:  # their samples come from the other worker, in other slots
+                assert time.monotonic() < deadline, f"never delivered: {sorted(asked - seen)}"
+                _take(client, generation, seen, 1)
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        slots: set[int] = set()
+        deadline = time.monotonic() + 20
+        while pool._quarantined or slots != set(range(8)):  # its late answers free them
+            assert time.monotonic() < deadline, f"still quarantined: {pool._quarantined}; in use: {sorted(slots)}"
+            slots.update(_take(client, generation, seen, 10))
+    broker.stop()
+
+
 def test_a_model_switch_sends_direct_requests_to_the_broker_first(procs, endpoints, broker_kwargs) -> None:
     """After SET_MODEL the worker has not seen the new model: it declines DIRECTs of the
     new generation, the broker dispatches them (with the model), then the lane resumes."""

@@ -36,7 +36,7 @@ VALID = {
                    "notified": ["dst_a_1_0"]},
     Command.COMPLETE: {"generation": 1, "slots": [[0, 1, True]]},
     Command.SET_MODEL: {"run_id": "r", "model_id": "layer_0", "leader_epoch": 7, "peer_id": "student-1"},
-    Command.QUARANTINE: {"slots": [[3, 11]], "process": "boot/pid:[1]:42:99"},
+    Command.QUARANTINE: {"slots": [], "process": "boot/pid:[1]:42:99", "direct": True},
     Command.RELEASE: {"slots": [[3, 11]]},
     Command.DIRECT: {"run_id": "r", "peer_id": "p", "generation": 3, "medium": "dst_a_1_0",
                      "stride": 4160, "slots": [[0, 1]]},
