@@ -102,6 +102,7 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import queue
@@ -875,7 +876,7 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                 route.broker_pid = shared.start(run_broker, route.endpoints, route.broker)
             if "rtt" in methods and round_trip is not None:
                 round_trip.update(bench_round_trip(routes[0].endpoints, seconds))
-            for size, turn in ((size, turn) for size in sizes for turn in range(rounds)):
+            for size, turn in itertools.product(sizes, range(rounds)):
                 cells: list[Result] = []
                 if ring is not None:  # the reference: its faster half, before or after the others
                     cells.append(bench_memcpy(size, seconds / 2, ring))

@@ -604,15 +604,15 @@ class SlotPool:
         """Slots held by DIRECT at a worker the broker gave up on: out of use until that
         worker answers them late (``_settle_late``) or its process is gone; their samples
         are asked for in other slots, and no more requests go to its lane."""
-        held = [slot for slot, token in self._direct.items() if token == process]
-        for slot in held:
+        held = []
+        for slot in [slot for slot, token in self._direct.items() if token == process]:
             del self._direct[slot]
             req = self._pending.pop(slot, None)
-            if req is None:
-                continue
-            self._quarantined[slot] = process
-            self._late[slot] = req
-            self._reissue.append(req)
+            if req is not None:
+                self._quarantined[slot] = process
+                self._late[slot] = req
+                self._reissue.append(req)
+                held.append(slot)
         for slot in [slot for slot, lane in self._lanes.items() if lane[1] == process]:
             del self._lanes[slot]
         if held:

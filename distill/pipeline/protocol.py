@@ -57,8 +57,9 @@ and RELEASE when the worker's late DONE proves it is done with them; the student
 also frees them itself once that process is gone. The broker never sees DIRECT
 requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
 slots you asked of this process directly"; the student quarantines those too and
-frees each when that worker's late answer to it (notice or DECLINED) comes. SET_MODEL carries the leader's
-epoch: a switch from an older epoch than the run has seen is refused.
+frees each when that worker's late answer to it (notice or DECLINED) comes.
+SET_MODEL carries the leader's epoch: a switch from an older epoch than the run has
+seen is refused.
 
 Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
 (equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
@@ -86,7 +87,9 @@ PROTOCOL_VERSION = 4
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
-notice naming a lane, and its slots, already done at the broker, would never complete)."""
+notice naming a lane, and its slots, already done at the broker, would never complete.
+4: QUARANTINE.direct; a version-3 student would refuse it and keep waiting on the slots
+it asked of a silent worker directly)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself

@@ -43,14 +43,19 @@ def test_stride_is_aligned_and_holds_header_and_payload() -> None:
         assert stride % 64 == 0 and stride >= HEADER_BYTES + payload
 
 
+def _random_headers(rng: random.Random, with_checksums: bool) -> tuple[list[int], int, list[int], list[int],
+                                                                      list[int] | None]:
+    """Slots, generation, request ids, payload lengths and checksums for one write."""
+    slots = rng.sample(range(SLOTS), rng.randint(1, SLOTS))
+    return (slots, rng.randrange(2**63), [rng.randrange(2**63) for _ in slots],
+            [rng.randrange(PAYLOAD + 1) for _ in slots],
+            [rng.randrange(2**32) for _ in slots] if with_checksums else None)
+
+
 def test_write_headers_matches_write_header_byte_for_byte() -> None:
     rng = random.Random(0)
     for trial in range(50):
-        slots = rng.sample(range(SLOTS), rng.randint(1, SLOTS))
-        generation = rng.randrange(2**63)
-        reqs = [rng.randrange(2**63) for _ in slots]
-        lens = [rng.randrange(PAYLOAD + 1) for _ in slots]
-        checksums = [rng.randrange(2**32) for _ in slots] if trial % 2 else None
+        slots, generation, reqs, lens, checksums = _random_headers(rng, with_checksums=trial % 2 == 1)
         fast, slow = _segment(), _segment()
         write_headers(header_table(fast, STRIDE), slots, generation, reqs, lens, checksums)
         for i, slot in enumerate(slots):
@@ -123,17 +128,14 @@ def test_header_table_checks_few_slots_as_check_slots_does() -> None:
 def test_header_table_writes_and_clears_few_slots_as_the_table_functions_do() -> None:
     rng = random.Random(4)
     for trial in range(100):
-        slots = rng.sample(range(SLOTS), rng.randint(1, SLOTS))
-        generation = rng.randrange(2**63)
-        reqs = [rng.randrange(2**63) for _ in slots]
-        lens = rng.randrange(PAYLOAD + 1) if trial % 3 == 0 else [rng.randrange(PAYLOAD + 1) for _ in slots]
-        checksums = [rng.randrange(2**32) for _ in slots] if trial % 2 else None
+        slots, generation, reqs, lens, checksums = _random_headers(rng, with_checksums=trial % 2 == 1)
+        written_lens: int | list[int] = lens[0] if trial % 3 == 0 else lens  # one length for all, or each its own
         garbage = bytearray(rng.randbytes(SLOTS * STRIDE))  # payloads; headers cleared, as students leave them
         for slot in range(SLOTS):
             garbage[slot * STRIDE:slot * STRIDE + HEADER_BYTES] = bytes(HEADER_BYTES)
         ours, reference = memoryview(bytearray(garbage)), memoryview(bytearray(garbage))
-        HeaderTable(ours, STRIDE).write(slots, generation, reqs, lens, checksums)
-        write_headers(header_table(reference, STRIDE), slots, generation, reqs, lens, checksums)
+        HeaderTable(ours, STRIDE).write(slots, generation, reqs, written_lens, checksums)
+        write_headers(header_table(reference, STRIDE), slots, generation, reqs, written_lens, checksums)
         assert bytes(ours) == bytes(reference)
         cleared = slots[:rng.randint(1, len(slots))]
         HeaderTable(ours, STRIDE).clear(cleared)
