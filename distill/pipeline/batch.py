@@ -166,8 +166,7 @@ class BatchConfig:
         """
         picks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
         count = len(picks)
-        if picks and (min(picks) < 0 or max(picks) >= rows.shape[0]):
-            raise IndexError(f"gather: row index outside [0, {rows.shape[0]}): {picks}")
+        _check_rows(picks, rows.shape[0])
         batches = [self._gather_target(out, name, nbytes, dtype, start, count)
                    for name, _, nbytes, dtype in self._layout]  # all checked before anything is written
         direct = _memmove_source(rows)
@@ -237,15 +236,22 @@ def copy_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None
     if width < LARGE_ROW_BYTES or not _memmove_ok(src, dst):
         torch.index_select(src, 0, index, out=dst)
         return
-    _memmove_rows(src, index.tolist(), 0, width, dst.data_ptr())
+    rows = index.tolist()
+    _check_rows(rows, src.shape[0])
+    _memmove_rows(src, rows, 0, width, dst.data_ptr())
+
+
+def _check_rows(rows: list[int], count: int) -> None:
+    """Every row index inside ``[0, count)`` (raw copies do not check their addresses)."""
+    if rows and (min(rows) < 0 or max(rows) >= count):
+        raise IndexError(f"row index outside [0, {count}): {rows}")
 
 
 def _memmove_rows(src: torch.Tensor, rows: list[int], offset: int, width: int, dst_ptr: int) -> None:
     """Bytes ``offset:offset + width`` of ``src[rows[i]]`` to ``dst_ptr + i * width``, one
-    ``memmove`` each. ``src`` passed :func:`_memmove_source` and is wide enough, and the
-    caller owns the destination: only the row indices are left to check."""
-    if rows and (min(rows) < 0 or max(rows) >= src.shape[0]):
-        raise IndexError(f"row index outside [0, {src.shape[0]}): {rows}")
+    ``memmove`` each. Everything is checked by the caller: ``src`` passed
+    :func:`_memmove_source` and is wide enough, ``rows`` passed :func:`_check_rows`, and
+    the destination holds ``len(rows) * width`` bytes."""
     src_ptr, src_stride = src.data_ptr() + offset, src.stride(0)
     for i, row in enumerate(rows):
         ctypes.memmove(dst_ptr + i * width, src_ptr + row * src_stride, width)
