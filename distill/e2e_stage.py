@@ -31,7 +31,7 @@ from distill.e2e import E2EStudent, topk_kl
 from distill.evaluate import _student_layers, evaluate, metric_kind, perplexity
 from distill.lora import merge_lora
 from distill.stages import Stage, e2e_stage
-from distill.student import StageTrainer, StudentContext, _barrier, layer_loss
+from distill.student import StageTrainer, StudentContext, _barrier, layer_loss, train_stage
 from distill.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -133,11 +133,7 @@ def run_e2e_stage(ctx: StudentContext, finished: set[int]) -> None:
     if stage.index in finished:
         log.info("end-to-end stage %d already trained: skipping", stage.index)
         return
-    trainer = E2ETrainer(ctx, stage)
-    trainer.setup()
-    trainer.train()
-    trainer.finish()
-    trainer.cleanup()
+    train_stage(E2ETrainer(ctx, stage))
 
 
 # ---------------------------------------------------------------------- after training

@@ -10,12 +10,12 @@ import hashlib
 import json
 import logging
 import os
-import time
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from distill import checkpoint as ckpt
+from distill.timing import timed
 
 if TYPE_CHECKING:
     from distill.student import StudentContext
@@ -50,22 +50,23 @@ def finish_run(ctx: StudentContext) -> None:
     from distill.student import build_replacement
 
     cfg, teacher = ctx.cfg, ctx.teacher
-    replacements, cfgs = {}, {}
-    for stage in ctx.stages:
-        from distill.student import StageModule
+    with timed(ctx.timings, "export_s"):
+        replacements, cfgs = {}, {}
+        for stage in ctx.stages:
+            from distill.student import StageModule
 
-        module = StageModule({layer: build_replacement(cfg, teacher, layer) for layer in stage.layers})
-        ckpt.load_stage_weights(ctx.checkpoint_dir, stage.index, module)
-        for layer in stage.layers:
-            replacements[layer] = module.blocks[str(layer)].eval()
-            cfgs[layer] = OmegaConf.to_container(cfg.replacement, resolve=True)
-    base, final = teacher, replacements
-    if e2e_finished(ctx):
-        base, final = load_e2e_student(ctx)
-    out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
-                         tokenizer=load_tokenizer(cfg))
-    log.info("student exported to %s  (load it: from distill import load_student; "
-             "model = load_student(%r))", out, out)
+            module = StageModule({layer: build_replacement(cfg, teacher, layer) for layer in stage.layers})
+            ckpt.load_stage_weights(ctx.checkpoint_dir, stage.index, module)
+            for layer in stage.layers:
+                replacements[layer] = module.blocks[str(layer)].eval()
+                cfgs[layer] = OmegaConf.to_container(cfg.replacement, resolve=True)
+        base, final = teacher, replacements
+        if e2e_finished(ctx):
+            base, final = load_e2e_student(ctx)
+        out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
+                             tokenizer=load_tokenizer(cfg))
+        log.info("student exported to %s  (load it: from distill import load_student; "
+                 "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
     summary = {"teacher": teacher_source(cfg), "replacement": cfgs[min(cfgs)].get("_target_"),
                "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
@@ -73,12 +74,11 @@ def finish_run(ctx: StudentContext) -> None:
                "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
     result = None
     if cfg.evaluate and len(ctx.heldout_NT):
-        started = time.monotonic()
-        result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
-        if final is not replacements:  # the exported student had an end-to-end stage
-            summary["student_after_layer_stages"] = result.student
-            result.student = student_score(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
-        ctx.timings["evaluate_s"] = time.monotonic() - started
+        with timed(ctx.timings, "evaluate_s"):
+            result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
+            if final is not replacements:  # the exported student had an end-to-end stage
+                summary["student_after_layer_stages"] = result.student
+                result.student = student_score(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
     metrics = _run_metrics(str(ctx.out_dir / "metrics.jsonl"))
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,

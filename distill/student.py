@@ -53,6 +53,7 @@ from distill.stages import (
 )
 from distill.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.teacher import Teacher
+from distill.timing import process_age_s, timed
 from distill.transfer import BackgroundBatches, DevicePrefetcher
 
 log = logging.getLogger(__name__)
@@ -279,16 +280,17 @@ class StageTrainer:
             if done % self.scfg.log_every_steps == 0 or done == total:
                 self._log_train(done, losses, float(grad_norm), samples, started, wait_s, compute_s, bar)
             validate_now = self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total
-            if validate_now and self._out_of_patience(self.validate(done)):
+            if validate_now and self._out_of_patience(self._timed_validate(done)):
                 stopped = STOP_PATIENCE
                 break
             if self.scfg.checkpoint_every_steps and done % self.scfg.checkpoint_every_steps == 0 \
                     and done < total:
-                self.save_checkpoint(done)
+                with timed(self.ctx.timings, "checkpoint_s"):
+                    self.save_checkpoint(done)
         bar.close()
         supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
         self._report_starvation(supply)
-        val = self.validate(steps_done)
+        val = self._timed_validate(steps_done)
         timings = self.ctx.timings
         timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
         timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s
@@ -298,6 +300,10 @@ class StageTrainer:
                               "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},
                               "stopped": stopped, **supply})
         return val
+
+    def _timed_validate(self, step: int) -> dict[int, float]:
+        with timed(self.ctx.timings, "validation_s"):
+            return self.validate(step)
 
     def _out_of_patience(self, val: dict[int, float]) -> bool:
         """Leader decides from its validation (others have none); every rank gets the verdict."""
@@ -402,17 +408,14 @@ def run_student(cfg: DictConfig) -> None:
     configure_logging(cfg)
     exit_on_sigterm()
     ctx = _setup_context(cfg)
+    ctx.timings["student_start_s"] = process_age_s()
     try:
         finished = set(ckpt.read_progress(ctx.checkpoint_dir)["finished"]) if cfg.resume else set()
         for stage in ctx.stages:
             if stage.index in finished:
                 log.info("stage %d (layers %s) already trained: skipping", stage.index, list(stage.layers))
                 continue
-            trainer = StageTrainer(ctx, stage)
-            trainer.setup()
-            trainer.train()
-            trainer.finish()
-            trainer.cleanup()
+            train_stage(StageTrainer(ctx, stage))
         if cfg.student.e2e.steps > 0:
             from distill.e2e_stage import run_e2e_stage
 
@@ -426,6 +429,17 @@ def run_student(cfg: DictConfig) -> None:
         ctx.client.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def train_stage(trainer: StageTrainer) -> None:
+    """Set up, train and record one stage; its setup and its record are timed as phases
+    of the run (``distill.timing``), its steps by ``train`` itself."""
+    with timed(trainer.ctx.timings, "stage_setup_s"):
+        trainer.setup()
+    trainer.train()
+    with timed(trainer.ctx.timings, "checkpoint_s"):
+        trainer.finish()
+    trainer.cleanup()
 
 
 def _setup_context(cfg: DictConfig) -> StudentContext:

@@ -11,7 +11,10 @@ them all) puts the parts side by side at the end of the run:
   ``teacher_time.<pid>.json`` in the run directory (a file, not a message: the
   wire protocol stays the transport's own);
 - the broker: its CPU seconds, read from ``/proc`` by the supervisor;
-- students: wait and compute seconds in ``result.json``'s ``timings``.
+- students: wait and compute seconds in ``result.json``'s ``timings``, and the
+  seconds of each phase around the training loops (:data:`STUDENT_PHASES`, timed
+  with :func:`timed`), so the student lane's remainder is only what happens outside
+  the student process (starting it, tearing the run down).
 
 The teacher and transport rows are parallel lanes (one per worker, the broker's
 own), so their share of the wall time is a utilisation; the student lane adds up
@@ -20,12 +23,13 @@ to the wall time with setup, validation, export and evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,38 @@ log = logging.getLogger(__name__)
 TEACHER_TIME_GLOB = "teacher_time.*.json"
 WRITE_EVERY_S = 1.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+STUDENT_PHASES = (
+    ("student_start_s", "student start (imports, teacher and data loading)"),
+    ("stage_setup_s", "student stage setup (replacements, held-out teacher targets)"),
+    ("validation_s", "student validation"),
+    ("checkpoint_s", "student checkpoints and stage weights"),
+    ("export_s", "student assembly and export"),
+    ("evaluate_s", "student evaluation"),
+)
+"""(key in the student's ``timings``, row of the split): the student's phases outside
+its training steps, in the order a run goes through them."""
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``timings[key]`` (also when it raises)."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.monotonic() - started
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, its interpreter start and imports included
+    (what no timer inside the process can see), from ``/proc/self/stat``; 0 where
+    there is no ``/proc``."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / CLOCK_TICKS, 0.0)
 
 
 class TimedBatchFn:
@@ -138,16 +174,17 @@ def time_split(wall_s: float, student: dict[str, float], teachers: list[dict[str
     ]
     if broker_cpu_s is not None:
         rows.append(("transport: broker CPU", broker_cpu_s))
-    compute_s, wait_s = student.get("student_compute_s", 0.0), student.get("student_wait_s", 0.0)
-    startup_s = student.get("student_startup_wait_s", 0.0)
-    rows += [
-        ("student compute", compute_s),
-        ("student waiting for data", wait_s),
-        ("student waiting for each stage's first batch (teachers starting or switching layers)", startup_s),
-        ("student other (setup, validation, checkpoints, export, evaluation)",
-         max(wall_s - compute_s - wait_s - startup_s, 0.0)),
+    student_rows = [
+        ("student compute", student.get("student_compute_s", 0.0)),
+        ("student waiting for data", student.get("student_wait_s", 0.0)),
+        ("student waiting for each stage's first batch (teachers starting or switching layers)",
+         student.get("student_startup_wait_s", 0.0)),
+        *((name, student.get(key, 0.0)) for key, name in STUDENT_PHASES),
     ]
-    return rows
+    accounted = sum(seconds for _, seconds in student_rows)
+    return [*rows, *student_rows,
+            ("student other (launching the student processes, barriers, tearing the run down)",
+             max(wall_s - accounted, 0.0))]
 
 
 def format_time_split(rows: list[tuple[str, float]], wall_s: float, num_workers: int) -> str:

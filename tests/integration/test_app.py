@@ -164,6 +164,10 @@ def _check_data_supply_and_time_split(run: Path, log: str) -> None:
     split = json.loads((run / "result.json").read_text())["time_split"]
     assert split["teacher forward (mean per worker)"] > 0
     assert split["student compute"] > 0
+    # the student's phases outside its steps are timed, not left in the remainder
+    for phase in ("student start (imports, teacher and data loading)",
+                  "student stage setup (replacements, held-out teacher targets)", "student assembly and export"):
+        assert split[phase] > 0, (phase, split)
     student_lane = sum(v for k, v in split.items() if k.startswith("student"))
     assert abs(student_lane - split["wall_s"]) < 0.05 * split["wall_s"]
     assert "## Where the time went" in (run / "report.md").read_text()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,11 +12,13 @@ import torch
 
 from distill.student import data_supply
 from distill.timing import (
+    STUDENT_PHASES,
     TimedBatchFn,
     TimingWriter,
     format_time_split,
     read_teacher_times,
     time_split,
+    timed,
 )
 from distill.transfer import DeviceToSlots
 
@@ -53,8 +58,10 @@ def test_teacher_counters_reach_the_run_dir(tmp_path: Path) -> None:
 
 def test_time_split_student_lane_adds_up_to_the_wall_time() -> None:
     teachers = [{"teacher_s": 30.0, "copy_s": 2.0}, {"teacher_s": 20.0, "copy_s": 4.0}]
+    phases = {"student_start_s": 8.0, "stage_setup_s": 3.0, "validation_s": 2.0, "checkpoint_s": 1.0,
+              "export_s": 1.5, "evaluate_s": 6.0}
     rows = dict(time_split(100.0, {"student_compute_s": 50.0, "student_wait_s": 10.0,
-                                   "student_startup_wait_s": 4.0}, teachers, 5.0))
+                                   "student_startup_wait_s": 4.0, **phases}, teachers, 5.0))
     assert rows["teacher forward (mean per worker)"] == 25.0
     assert rows["transport: slot writes (mean per worker)"] == 3.0
     assert rows["transport: broker CPU"] == 5.0
@@ -62,4 +69,31 @@ def test_time_split_student_lane_adds_up_to_the_wall_time() -> None:
     table = format_time_split(list(rows.items()), 100.0, num_workers=2)
     assert "| student waiting for data | 10.0 | 10% |" in table
     assert rows["student waiting for each stage's first batch (teachers starting or switching layers)"] == 4.0
-    assert rows["student other (setup, validation, checkpoints, export, evaluation)"] == 36.0
+    assert [rows[name] for _, name in STUDENT_PHASES] == list(phases.values())
+    assert rows["student other (launching the student processes, barriers, tearing the run down)"] == 14.5
+
+
+def test_time_split_of_a_student_that_timed_no_phases_puts_the_rest_under_other() -> None:
+    """A result.json written before the phases were timed still adds up."""
+    rows = dict(time_split(10.0, {"student_compute_s": 6.0}, [], None))
+    assert "transport: broker CPU" not in rows
+    assert all(rows[name] == 0.0 for _, name in STUDENT_PHASES)
+    assert rows["student other (launching the student processes, barriers, tearing the run down)"] == 4.0
+
+
+def test_timed_adds_up_blocks_even_when_they_raise() -> None:
+    timings: dict[str, float] = {}
+    with timed(timings, "validation_s"):
+        time.sleep(0.02)
+    with pytest.raises(ValueError), timed(timings, "validation_s"):
+        time.sleep(0.02)
+        raise ValueError("a failed validation still took its time")
+    assert 0.04 <= timings["validation_s"] < 1.0
+
+
+def test_process_age_counts_from_the_start_of_the_process() -> None:
+    """A child that sleeps 0.3 s before asking is at least that old, and not much older."""
+    code = "import time; time.sleep(0.3); from distill.timing import process_age_s; print(process_age_s())"
+    started = time.monotonic()
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 0.3 <= age <= time.monotonic() - started + 0.02  # /proc's start time is in ticks of 10 ms
