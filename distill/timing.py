@@ -18,7 +18,7 @@ them all) puts the parts side by side at the end of the run:
 
 The teacher and transport rows are parallel lanes (one per worker, the broker's
 own), so their share of the wall time is a utilisation; the student lane adds up
-to the wall time with setup, validation, export and evaluation.
+to the wall time.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ def process_age_s() -> float:
     (what no timer inside the process can see), from ``/proc/self/stat``; 0 where
     there is no ``/proc``."""
     try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        start_ticks = int(_stat_fields("self")[19])
     except (OSError, IndexError, ValueError):
         return 0.0
     return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / CLOCK_TICKS, 0.0)
@@ -146,11 +145,17 @@ class TimingWriter:
 def cpu_seconds(pid: int) -> float | None:
     """utime + stime of a live process (all its threads), or None when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat_fields(str(pid))
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _stat_fields(pid: str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces
+    and parentheses): index 0 is field 3 of proc(5), the state."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def read_teacher_times(run_dir: Path) -> list[dict[str, float]]:
