@@ -11,6 +11,7 @@ child, and the kernel stops them too if the supervisor itself is killed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -143,7 +144,8 @@ def _wait_for_students(children: list[Child]) -> None:
             where = f"; see {child.log_path}" if child.log_path else ""
             _tail(child)
             raise RuntimeError(f"{child.name} exited with code {code}{where}")
-        time.sleep(POLL_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # back at once when the students end
+            students.proc.wait(timeout=POLL_S)
 
 
 def _tail(child: Child, lines: int = 20) -> None:
