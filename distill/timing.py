@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from distill.pipeline.liveness import start_time
+
 log = logging.getLogger(__name__)
 
 TEACHER_TIME_GLOB = "teacher_time.*.json"
@@ -64,11 +66,10 @@ def process_age_s() -> float:
     """Seconds since this process started, its interpreter start and imports included
     (what no timer inside the process can see), from ``/proc/self/stat``; 0 where
     there is no ``/proc``."""
-    try:
-        start_ticks = int(_stat_fields("self")[19])
-    except (OSError, IndexError, ValueError):
+    start = start_time(os.getpid())
+    if start is None:
         return 0.0
-    return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / CLOCK_TICKS, 0.0)
+    return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start[0] / CLOCK_TICKS, 0.0)
 
 
 class TimedBatchFn:
@@ -145,17 +146,11 @@ class TimingWriter:
 def cpu_seconds(pid: int) -> float | None:
     """utime + stime of a live process (all its threads), or None when it is gone."""
     try:
-        fields = _stat_fields(str(pid))
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def _stat_fields(pid: str) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces
-    and parentheses): index 0 is field 3 of proc(5), the state."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
 
 
 def read_teacher_times(run_dir: Path) -> list[dict[str, float]]:

@@ -153,7 +153,7 @@ def _host_scope() -> str:
     return f"{boot}/{pidns}"
 
 
-def _start_time(pid: int) -> tuple[int, str] | None:
+def start_time(pid: int) -> tuple[int, str] | None:
     """(start time in clock ticks since boot, state letter) of ``pid``, or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -168,7 +168,7 @@ def process_token(pid: int | None = None) -> str | None:
     """A name for a process that no other process will ever have on this machine:
     scope + pid + start time, so a recycled pid is not mistaken for the original."""
     pid = os.getpid() if pid is None else pid
-    start = _start_time(pid)
+    start = start_time(pid)
     if start is None:
         return None
     return f"{_host_scope()}:{pid}:{start[0]}"
@@ -186,5 +186,5 @@ def process_alive(token: str | None) -> bool | None:
         return None
     if scope != _host_scope() or scope == "unknown":
         return None
-    now = _start_time(pid)
+    now = start_time(pid)
     return now is not None and now[0] == started and now[1] not in ("Z", "X")
