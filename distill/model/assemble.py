@@ -38,7 +38,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from distill.model.teacher import TORCH_DTYPES, Teacher, model_class, parse_dtype
+from distill.model.teacher import TORCH_DTYPES, Teacher, call_in_own_dtype, model_class, parse_dtype
 
 try:  # how transformers 5.x collects output_hidden_states; see _record_hidden_states
     from transformers.utils.output_capturing import (
@@ -64,7 +64,8 @@ class SplicedLayer(nn.Module):
     `position_embeddings`, `cache`, ...) and ignores all but `hidden_states`, because a
     replacement builds its own causal mask and rotary embeddings. In transformers 5.x
     both `LlamaModel` and `BertEncoder` take a plain tensor back from each layer, so
-    that is what this returns.
+    that is what this returns, in the dtype it got (a float32 replacement in a bfloat16
+    teacher computes in float32: `call_in_own_dtype`).
     """
 
     def __init__(self, replacement: nn.Module) -> None:
@@ -73,7 +74,7 @@ class SplicedLayer(nn.Module):
         self.layer_idx = getattr(replacement, "layer_idx", None)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """replacement(hidden_states); refuses a KV cache, which it could not keep up."""
+        """replacement(hidden_states) in its own dtype; refuses a KV cache, which it could not keep up."""
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(
                 f"A KV cache reached spliced layer {self.layer_idx}, but replacements keep none "
@@ -81,10 +82,10 @@ class SplicedLayer(nn.Module):
                 "(its config already defaults to it)."
             )
         if _active_collector is None:
-            return self.replacement(hidden_states)
+            return call_in_own_dtype(self.replacement, hidden_states)
         token = _active_collector.set(None)  # inner HF layers must not record outputs
         try:
-            return self.replacement(hidden_states)
+            return call_in_own_dtype(self.replacement, hidden_states)
         finally:
             _active_collector.reset(token)
 
@@ -92,8 +93,9 @@ class SplicedLayer(nn.Module):
 # ---------------------------------------------------------------------- splice
 
 
-def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers.PreTrainedModel:
-    """A deep copy of `teacher.model` with layer l replaced by `replacements[l]`.
+def splice(teacher: Teacher, replacements: dict[int, nn.Module],
+           share_weights: bool = False) -> transformers.PreTrainedModel:
+    """A copy of `teacher.model` with layer l replaced by `replacements[l]`.
 
     The teacher model is left untouched (it keeps producing targets); the replacement
     modules themselves are not copied, so the result shares their weights and sees
@@ -102,12 +104,19 @@ def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers
     Replacements that call `teacher.run_layer` (TeacherCopy, PrunedLayer, LowRankLayer)
     take rotary embeddings and masks from the teacher, so keep the result on the
     teacher's device; `load_student` builds a self-contained model instead.
+
+    `share_weights=True` copies only the module tree: every parameter and buffer is
+    the teacher's own tensor, so a frozen base costs no second copy of the embeddings,
+    head and kept layers (for a 1B Llama with a 32k vocabulary, 0.5 GB in float32).
+    Training such a result must leave the teacher's parameters frozen.
     """
     teacher.check_layer_idxs(list(replacements))
     # Map the teacher layers about to be replaced to themselves: they are never copied.
     memo = {id(teacher.layers[idx]): teacher.layers[idx] for idx in replacements}
+    if share_weights:
+        memo.update({id(t): t for t in (*teacher.model.parameters(), *teacher.model.buffers())})
     model = copy.deepcopy(teacher.model, memo)
-    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    _splice_in_place(model, layer_list_name(teacher), replacements)
     return model
 
 
@@ -125,7 +134,7 @@ def _splice_in_place(
         model.generation_config.use_cache = False
 
 
-def _layer_list_name(teacher: Teacher) -> str:
+def layer_list_name(teacher: Teacher) -> str:
     """Dotted name of the teacher's layer ModuleList inside `teacher.model`.
 
     Found by identity, so the family's layout stays decided in `distill.model.teacher` alone.
@@ -160,26 +169,28 @@ def export_student(
     replacement_cfgs: dict[int, dict | DictConfig],
     out_dir: str,
     tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """Write the spliced student to `out_dir` (layout in the module docstring); returns it.
 
     `replacement_cfgs[l]` is the Hydra config that built `replacements[l]` (with
     `_target_` and `_partial_`), stored as a plain dict so `load_student` can rebuild the
-    same architecture before loading the weights.
+    same architecture before loading the weights. The weights are saved in `dtype`
+    (default: the teacher's), the dtype config.json then declares.
     """
     _check_cfgs(replacements, replacement_cfgs)
     os.makedirs(out_dir, exist_ok=True)
-    model = splice(teacher, replacements)
+    dtype = dtype or teacher.dtype
+    model = splice(teacher, replacements, share_weights=True)
     model.config.architectures = [type(model).__name__]
-    model.config.dtype = teacher.dtype
+    model.config.dtype = dtype
     model.config.save_pretrained(out_dir)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    # save_model drops all but one name of tensors shared in memory (tied embeddings).
-    safetensors.torch.save_model(
-        model, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"}
+    safetensors.torch.save_file(
+        _weights_in(model, dtype), os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"}
     )
     manifest = {
         "format": STUDENT_FORMAT,
@@ -191,6 +202,27 @@ def export_student(
         json.dump(manifest, f, indent=2)
     log.info("student with %d replaced layers written to %s", len(replacements), out_dir)
     return out_dir
+
+
+def _weights_in(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state dict with floating tensors in `dtype`, the one config.json declares.
+
+    Replacements train in float32; a bfloat16 teacher's student is saved in bfloat16 like
+    the teacher, so the file is the size and precision its config says. One name is kept
+    per tensor shared in memory (tied embeddings), as `safetensors.torch.save_model` does;
+    `_load_strict` lets the other names load through the kept one.
+    """
+    kept: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() == 0:
+            key = (name,)  # empty tensors share no memory (their data pointers are all 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        kept[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    return kept
 
 
 def _check_cfgs(replacements: dict[int, nn.Module], replacement_cfgs: dict[int, Any]) -> None:
@@ -239,7 +271,7 @@ def load_student(
     model.load_state_dict({k: v for k, v in state.items() if k in own_keys}, strict=False)
     teacher = Teacher(model, device=device)
     replacements = _build_replacements(teacher, manifest["layers"])
-    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    _splice_in_place(model, layer_list_name(teacher), replacements)
     _load_strict(model, state, path)
     model.eval().requires_grad_(False)
     log.info("loaded student from %s: layers %s replaced", path, sorted(replacements))

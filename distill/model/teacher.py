@@ -247,6 +247,31 @@ class Teacher:
         return num_heads * int(head_dim)
 
 
+# ---------------------------------------------------------------------- replacements in the stream
+
+
+def call_in_own_dtype(module: nn.Module, hidden_BTD: torch.Tensor) -> torch.Tensor:
+    """``module(hidden_BTD)`` across a dtype boundary: in the module's dtype, out in the stream's.
+
+    Real teachers run in bfloat16 or float16 while replacements train (and are kept) in
+    float32, so wherever a replacement sits in the teacher's hidden stream (a spliced
+    student, evaluation, the end-to-end stage) its input is cast to its own parameters'
+    dtype and its output back to the stream's, as every layer of the teacher hands back
+    the dtype it got. A module without floating parameters gets the stream's dtype.
+    """
+    dtype = _param_dtype(module)
+    output_BTD = module(hidden_BTD if dtype is None else hidden_BTD.to(dtype))
+    return output_BTD.to(hidden_BTD.dtype)
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the module's first floating-point parameter (None if it has none)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return None
+
+
 # ---------------------------------------------------------------------- helpers
 
 

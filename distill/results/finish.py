@@ -37,7 +37,7 @@ def finish_run(ctx: StudentContext) -> None:
         if e2e_finished(ctx):
             base, final = load_e2e_student(ctx)
         out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
-                             tokenizer=load_tokenizer(cfg))
+                             tokenizer=load_tokenizer(cfg), dtype=teacher.dtype)
         log.info("student exported to %s  (load it: from distill import load_student; "
                  "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
