@@ -24,6 +24,7 @@ Shape legend:
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import transformers
@@ -170,16 +171,20 @@ class Teacher:
 
         Runs the model's own forward with hooks on the layer modules and stops it right
         after layer max(layer_idxs), so the cost is that of max(layer_idxs)+1 layers.
-        The tensors are detached and stay on the teacher's device, in its dtype.
+        The tensors are detached and stay on the device of the layer that made them (the
+        teacher's device, or its layer's GPU under a device map), in the teacher's dtype.
+        Threads may capture on one teacher at once: each call's hooks act on its own
+        thread's forward only.
         """
         if not layer_idxs:
             return {}
         self.check_layer_idxs(layer_idxs)
         last_idx = max(layer_idxs)
         captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        thread_id = threading.get_ident()
         handles = [
             self.layers[idx].register_forward_hook(
-                _capture_hook(idx, captured, stop=idx == last_idx), with_kwargs=True
+                _capture_hook(idx, captured, stop=idx == last_idx, thread_id=thread_id), with_kwargs=True
             )
             for idx in sorted(set(layer_idxs))
         ]
@@ -275,10 +280,13 @@ def _param_dtype(module: nn.Module) -> torch.dtype | None:
 # ---------------------------------------------------------------------- helpers
 
 
-def _capture_hook(idx: int, captured: dict, stop: bool):
-    """A forward hook (with kwargs) storing (input, output) of layer `idx`."""
+def _capture_hook(idx: int, captured: dict, stop: bool, thread_id: int):
+    """A forward hook (with kwargs) storing (input, output) of layer `idx` in the forward of
+    thread `thread_id` (another thread's forward through the same layer is not ours)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if threading.get_ident() != thread_id:
+            return
         input_BTD = args[0] if args else kwargs["hidden_states"]
         output_BTD = output[0] if isinstance(output, tuple) else output
         captured[idx] = (input_BTD.detach(), output_BTD.detach())
