@@ -91,6 +91,16 @@ class Trainable(StrEnum):
     all = "all"
 
 
+class Parallel(StrEnum):
+    """How the end-to-end stage spreads the student over its ranks (``student.e2e.parallel``)."""
+
+    ddp = "ddp"
+    """DistributedDataParallel: every rank holds the whole student and its optimizer state."""
+    fsdp = "fsdp"
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``): each rank holds 1/world of the trained
+    parameters, gradients and optimizer state, gathered layer by layer for compute."""
+
+
 @dataclass
 class TinyConfig:
     """Size of the offline demo teacher built from a config (used when name_or_path is null)."""
@@ -187,8 +197,18 @@ class PipelineConfig:
 class DeviceConfig:
     worker_gpu: int | None = None
     """CUDA device index for teacher workers; null = CPU."""
+    worker_gpus: list[int] | None = None
+    """CUDA devices ONE teacher worker spreads its teacher over, for a teacher larger than one
+    GPU (transformers' ``device_map="balanced"`` limited to these GPUs, needs ``accelerate``);
+    replaces ``worker_gpu`` when set. null = the whole teacher on ``worker_gpu``."""
     student_gpu: bool = False
-    """Students on CUDA (rank r on device LOCAL_RANK) with NCCL; false = CPU with gloo."""
+    """Students on CUDA with NCCL; false = CPU with gloo."""
+    student_gpus: list[int] | None = None
+    """CUDA devices of this machine's student ranks, local rank r on ``student_gpus[r]``; null =
+    device LOCAL_RANK, except under mode=local, which picks GPUs the teacher workers do not use."""
+    share_gpu: bool = False
+    """mode=local: let teacher workers and student ranks share GPUs (they then compete for
+    its memory and compute); false refuses a placement that puts both on one GPU."""
 
 
 @dataclass
@@ -218,6 +238,12 @@ class E2EConfig:
     """null = student.micro_batch_size."""
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    loss_chunk_tokens: int = 1024
+    """Tokens whose logits exist at once in the KL (forward, and again in backward, where they
+    are recomputed): memory chunk x vocabulary floats instead of batch x seq_len x vocabulary."""
+    parallel: Parallel = Parallel.ddp
+    """``ddp`` or ``fsdp`` (FSDP2: trained parameters, gradients and optimizer state sharded over
+    the ranks, for a student that does not fit one device); layer stages always use DDP."""
 
 
 @dataclass

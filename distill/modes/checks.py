@@ -13,7 +13,7 @@ import os
 
 from omegaconf import DictConfig
 
-from distill.config import Family, Mode
+from distill.config import Family, Mode, Parallel, Trainable
 from distill.model.location import model_shape
 from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
@@ -60,6 +60,12 @@ def _check_quality_settings(cfg: DictConfig) -> None:
     if e2e.top_k < 1 or e2e.temperature <= 0:
         raise ValueError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
                          f"{e2e.temperature} > 0")
+    if e2e.parallel == Parallel.fsdp and e2e.trainable == Trainable.lora:
+        raise ValueError("student.e2e.parallel=fsdp shards the trained weights, but LoRA adapters are "
+                         "small and merged into unsharded maps at the end: use student.e2e.parallel=ddp "
+                         "with trainable=lora, or trainable=replacements|all with fsdp")
+    if e2e.loss_chunk_tokens < 1:
+        raise ValueError(f"student.e2e.loss_chunk_tokens={e2e.loss_chunk_tokens} must be >= 1 (1024 is a good default)")
     if not cfg.teacher.name_or_path and cfg.teacher.tiny.family != Family.llama:
         raise ValueError("student.e2e.steps > 0 needs a teacher with an LM head; the tiny "
                          f"{cfg.teacher.tiny.family} teacher has none: set student.e2e.steps=0")

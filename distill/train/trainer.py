@@ -12,7 +12,6 @@ Shape legend: B batch, P boundary positions of a stage, T tokens, D hidden size.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -21,14 +20,19 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from distill.config import Loss
 from distill.train import checkpoint as ckpt
 from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
-from distill.train.context import StudentContext, barrier, broadcast_int, wrap_for_training
+from distill.train.context import (
+    StudentContext,
+    barrier,
+    broadcast_int,
+    gradient_sync,
+    wrap_for_training,
+)
 from distill.train.modules import build_stage_module
 from distill.train.stages import Stage
 from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
@@ -183,8 +187,7 @@ class StageTrainer:
                     step_started = time.monotonic()
                 else:
                     wait_s += time.monotonic() - t0
-                sync = micro == accum - 1 or not isinstance(self.model, DDP)
-                with contextlib.nullcontext() if sync else self.model.no_sync():
+                with gradient_sync(self.model, sync=micro == accum - 1):
                     loss, losses = self._loss(batch)
                     (loss / accum).backward()
                 samples += batch["input_ids"].shape[0]
@@ -294,18 +297,19 @@ class StageTrainer:
 
     # -- checkpoint
     def save_checkpoint(self, step: int) -> None:
-        if self.ctx.leader:
-            ckpt.save_training_state(self.ctx.checkpoint_dir, stage=self.stage.index, step=step,
-                                     module=self.module, optimizer=self.optimizer,
-                                     scheduler=self.scheduler,
-                                     extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True)})
+        """The leader writes; every rank takes part (a sharded module's state is gathered)."""
+        ckpt.save_training_state(self.ctx.checkpoint_dir, stage=self.stage.index, step=step,
+                                 module=self.module, optimizer=self.optimizer,
+                                 scheduler=self.scheduler,
+                                 extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True)},
+                                 write=self.ctx.leader)
         barrier(self.ctx)
 
     def finish(self) -> None:
         """Record the stage as done: its weights, and progress (never retrained)."""
+        directory = self.ctx.checkpoint_dir
+        ckpt.save_stage_weights(directory, self.stage.index, self.module, write=self.ctx.leader)
         if self.ctx.leader:
-            directory = self.ctx.checkpoint_dir
-            ckpt.save_stage_weights(directory, self.stage.index, self.module)
             progress = ckpt.read_progress(directory)
             progress["finished"] = sorted(set(progress["finished"]) | {self.stage.index})
             progress["layers"] = {str(s.index): list(s.layers) for s in self.ctx.stages}
