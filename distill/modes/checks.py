@@ -9,12 +9,15 @@ the broker's start must not pay for importing models.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from distill.config import Family, Mode, Parallel, Trainable
 from distill.model.location import model_shape
+from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
 from distill.pipeline.slot import slot_stride
@@ -30,6 +33,7 @@ def check_config(cfg: DictConfig) -> None:
     stages, batch_config = stage_layout(cfg, num_layers, hidden)
     if cfg.mode in (Mode.student, Mode.local):
         _check_shm(cfg, batch_config.nbytes(), max_positions(stages))
+    _check_devices(cfg)
     _check_auth(cfg)
 
 
@@ -85,6 +89,18 @@ def _check_shm(cfg: DictConfig, sample_bytes: int, positions: int) -> None:
     check_shm_space(need, what=f"{ranks} rank(s) x {pools_per_rank} loader(s) x pipeline.slot_count="
                                f"{cfg.pipeline.slot_count} slots of {sample_bytes / 2**20:.1f} MiB "
                                f"({positions} hidden states per sample)")
+
+
+def _check_devices(cfg: DictConfig) -> None:
+    """GPUs that exist, a teacher spread over GPUs with accelerate installed, and (mode=local)
+    no GPU shared by a teacher worker and a student rank unless asked (``modes/placement.py``)."""
+    if cfg.device.get("worker_gpus") and importlib.util.find_spec("accelerate") is None:
+        raise ValueError(f"device.worker_gpus={list(cfg.device.worker_gpus)} spreads the teacher with "
+                         "transformers' device_map, which needs accelerate: pip install 'distill[sharded]'")
+    if cfg.mode == Mode.local:
+        plan_local(cfg, torch.cuda.device_count())
+    elif cfg.mode == Mode.worker and worker_gpus(cfg):
+        plan_local(OmegaConf.merge(cfg, {"device": {"student_gpu": False}}), torch.cuda.device_count())
 
 
 def _check_auth(cfg: DictConfig) -> None:

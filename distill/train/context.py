@@ -99,7 +99,7 @@ def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if not torch.cuda.is_available():
             raise ValueError("device.student_gpu=true but CUDA is not available; set device=cpu")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", _student_gpu(cfg, local_rank))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -107,6 +107,18 @@ def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend)
     return rank, world_size, device
+
+
+def _student_gpu(cfg: DictConfig, local_rank: int) -> int:
+    """``device.student_gpus[local_rank]`` (mode=local sets it to GPUs no teacher uses), else
+    ``local_rank``."""
+    gpus = cfg.device.get("student_gpus")
+    if not gpus:
+        return local_rank
+    if local_rank >= len(gpus):
+        raise ValueError(f"device.student_gpus={list(gpus)} has no GPU for local rank {local_rank}: "
+                         "list one per rank of this machine")
+    return int(gpus[local_rank])
 
 
 def close_context(ctx: StudentContext) -> None:
