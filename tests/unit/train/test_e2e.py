@@ -156,6 +156,33 @@ def test_chunked_kl_is_the_plain_formula_without_the_full_logits(chunk: int, ren
         chunked_topk_kl(hidden_ND, head, logp_NK, idx_NK, tau, 0)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_kl_keeps_no_full_logits_for_backward(device: str) -> None:
+    """Nothing of [N, V] size is kept between forward and backward (saved-tensor hooks see
+    what autograd keeps); on CUDA the allocator's peak stays below one [N, V] float32 tensor."""
+    torch.manual_seed(0)
+    num_tokens, hidden, vocab, chunk = 2048, 64, 4096, 128
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(device)
+    hidden_ND = torch.randn(num_tokens, hidden, device=device, requires_grad=True)
+    logp_NK, idx_NK = _teacher_topk(torch.randn(num_tokens, 64, device=device), 8)
+    saved: list[int] = []
+    full_bytes = num_tokens * vocab * 4
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        loss = chunked_topk_kl(hidden_ND, head, logp_NK, idx_NK, 1.0, chunk)
+    loss.backward()
+    assert max(saved) < num_tokens * vocab // 4
+    if device == "cuda":
+        assert torch.cuda.max_memory_allocated() - base < full_bytes / 2
+
+
 @pytest.mark.parametrize("trainable", ["replacements", "lora", "all"])
 def test_frozen_base_is_the_teachers_own_memory(trainable: str) -> None:
     """No second copy of the teacher for a frozen base; trainable=all trains its own float32 copy."""
