@@ -120,12 +120,12 @@ def _kl_per_token(student_logits_NV: torch.Tensor, teacher_logp_NK: torch.Tensor
                   tau: float, renormalize_student: bool) -> torch.Tensor:
     """KL(teacher top-k at tau || student at tau) of each token, float32 (module docstring)."""
     logp_t_NK = torch.log_softmax(teacher_logp_NK.float() / tau, dim=-1)
-    scaled_NV = student_logits_NV.float() / tau
+    scaled_NV = student_logits_NV if tau == 1.0 else student_logits_NV.float() / tau  # tau=1: no [N, V] copy
     idx_NK = teacher_idx_NK.long()
     if renormalize_student:
-        logq_NK = torch.log_softmax(scaled_NV.gather(-1, idx_NK), dim=-1)
-    else:
-        logq_NK = torch.log_softmax(scaled_NV, dim=-1).gather(-1, idx_NK)
+        logq_NK = torch.log_softmax(scaled_NV.gather(-1, idx_NK).float(), dim=-1)
+    else:  # the upcast fused into the log-softmax: no float32 copy of bf16 logits
+        logq_NK = torch.log_softmax(scaled_NV, dim=-1, dtype=torch.float32).gather(-1, idx_NK)
     return (logp_t_NK.exp() * (logp_t_NK - logq_NK)).sum(-1)
 
 
