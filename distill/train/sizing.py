@@ -44,15 +44,22 @@ def sample_bytes(seq_len: int, hidden_size: int, dtype: str, positions: int, top
     return seq_len * (TOKEN_ID_BYTES + positions * state_bytes_per_token(hidden_size, dtype) + top_k * TOPK_BYTES)
 
 
+def segment_bytes(sample: int, slots: int) -> int:
+    """One shared-memory segment of ``slots`` slots (header + payload, aligned)."""
+    return slots * slot_stride(sample)
+
+
 def shm_bytes(sample: int, slot_count: int, loader_workers: int = 0, ranks: int = 1) -> int:
-    """/dev/shm the student ranks of one machine allocate: one segment of ``slot_count`` slots
-    (header + payload, aligned) per rank and loader process."""
-    return ranks * max(1, loader_workers) * slot_count * slot_stride(sample)
+    """/dev/shm the student ranks of one machine allocate: per rank, a segment of
+    ``slot_count`` slots per loader process (the training process when there is none), and
+    the one-slot segment of its control client (``distill.train.transport.control_client``)."""
+    return ranks * (max(1, loader_workers) * segment_bytes(sample, slot_count) + segment_bytes(sample, 1))
 
 
 def network_bytes_per_s(samples_per_s: float, sample: int) -> float:
-    """What the network medium carries to one student at its rate (every byte of every sample)."""
-    return samples_per_s * sample
+    """What the network medium carries to one student at its rate: each sample travels as one
+    slot (header + payload, aligned: ``slot_stride``), the rest is framing and control."""
+    return samples_per_s * slot_stride(sample)
 
 
 def disk_bytes(tokens: int, hidden_size: int, dtype: str, num_layers: int) -> int:
