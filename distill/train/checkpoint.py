@@ -186,13 +186,13 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors wants contiguous, unshared storage: a tensor whose memory another entry
     shares (tied embeddings) is cloned; the others are written as they are, so saving the
     end-to-end stage does not make a second copy of the teacher it shares."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[int] = set()
     out = {}
     for name, tensor in tensors.items():
         tensor = tensor.detach()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        shared = tensor.numel() > 0 and key in seen
-        seen.add(key)
+        storage = tensor.untyped_storage().data_ptr()  # views of one storage count as shared too
+        shared = tensor.numel() > 0 and storage in seen
+        seen.add(storage)
         out[name] = tensor.clone() if shared or not tensor.is_contiguous() else tensor
     return out
 
