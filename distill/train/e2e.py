@@ -90,7 +90,7 @@ def chunked_topk_kl(hidden_ND: torch.Tensor, logits_of: Callable[[torch.Tensor],
     """``topk_kl(logits_of(hidden_ND), ...)`` with at most ``chunk_tokens`` rows of logits at once.
 
     The student's logits are the largest tensor of the end-to-end stage (N x V floats: 8 x
-    1024 tokens of a 128k vocabulary are 4 GiB in float32, more than a 1B model's weights,
+    1024 tokens of a 128k vocabulary are 4 GiB in float32, as much as a 1B model in float32,
     and the log-softmax and its gradient as much again). Each chunk's KL runs under
     activation checkpointing, which keeps only its slice of ``hidden_ND`` for backward and
     recomputes the chunk's logits there, one chunk at a time: peak memory is a few
