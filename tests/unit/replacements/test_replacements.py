@@ -406,18 +406,21 @@ def test_pruned_refuses_a_layer_without_the_expected_mlp() -> None:
 
 
 class _SoftmaxAttention(nn.Module):
-    """Plain softmax attention with the LinearAttention call signature."""
+    """Plain softmax attention with the LinearAttention call signature (decoders also return
+    a state, None here: it is only called without a cache)."""
 
-    def __init__(self, causal: bool) -> None:
+    def __init__(self, causal: bool, decoder: bool) -> None:
         super().__init__()
         self.causal = causal
+        self.decoder = decoder
 
     def forward(
-        self, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor
-    ) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
+        self, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, mask_BT=None, state=None
+    ) -> torch.Tensor | tuple[torch.Tensor, None]:
+        out_BHTE = F.scaled_dot_product_attention(
             q_BHTE.float(), k_BHTE.float(), v_BHTE.float(), is_causal=self.causal
         )
+        return (out_BHTE, None) if self.decoder else out_BHTE
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])
@@ -425,7 +428,7 @@ def test_linear_attention_wiring_matches_teacher_with_softmax_kernel(family: str
     """Projections, rotary, GQA, q/k norms, norms and MLP are right: only the kernel differs."""
     teacher = _tiny_teacher(family)
     replacement = _build("linear_attention", teacher)
-    replacement.block.attention = _SoftmaxAttention(teacher.causal)
+    replacement.block.attention = _SoftmaxAttention(teacher.causal, teacher.family != "bert")
     hidden_BTD = _hidden(teacher)
     expected_BTD = _teacher_output(teacher, hidden_BTD)
     torch.testing.assert_close(replacement(hidden_BTD), expected_BTD, atol=1e-5, rtol=1e-5)
