@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-import safetensors.torch
 
 import distill
 from distill.model.assemble import SplicedLayer, export_student, load_student, splice
