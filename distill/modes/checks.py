@@ -9,6 +9,7 @@ the broker's start must not pay for importing models.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from omegaconf import DictConfig
@@ -30,7 +31,19 @@ def check_config(cfg: DictConfig) -> None:
     stages, batch_config = stage_layout(cfg, num_layers, hidden)
     if cfg.mode in (Mode.student, Mode.local):
         _check_shm(cfg, batch_config.nbytes(), max_positions(stages))
+    if cfg.mode == Mode.eval:
+        _check_eval(cfg)
     _check_auth(cfg)
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """mode=eval needs an exported student and lm-evaluation-harness (an optional extra)."""
+    student = cfg.lm_eval.student
+    if not student or not os.path.isfile(os.path.join(str(student), "distill_student.json")):
+        raise ValueError(f"mode=eval needs lm_eval.student=<an exported student directory> (a run's student/); "
+                         f"got {student!r}")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError("mode=eval needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)")
 
 
 def _check_numbers(cfg: DictConfig) -> None:

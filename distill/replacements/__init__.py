@@ -41,19 +41,19 @@ in the cache, never in the module: each layer has one cache layer, chosen by the
 
 - the teacher's own attention (copy, pruned, lowrank): transformers' ``DynamicLayer`` /
   ``DynamicSlidingWindowLayer`` (Mistral's window), filled by the layer's attention;
-- no KV cache (mlp, linear attention): ``RecurrentStateLayer`` (type ``distill_recurrent``),
-  transformers' ``LinearAttentionLayer`` plus a count of absorbed positions. Read the state
-  with ``cache.get_recurrent_state(l)`` (None before the first call), write it with
-  ``cache.update_recurrent_state(state, l, num_new_tokens=T)``; a state-less kind calls it
-  with ``None`` so the count still moves. Linear attention's state is
-  ``sum_s phi(k_s) [v_s, 1]^T`` per head (last column: the normaliser), fixed in size.
+- no KV cache (mlp, linear attention): transformers' own ``LinearAttentionLayer`` (type
+  ``linear_attention``), plus the count of positions it has absorbed (rotary positions need
+  it). Read the state with ``modeling_distill_llama.recurrent_state(cache, l)`` (None before
+  the first call), keep it with ``store_state(cache, l, state, T)``; a state-less kind stores
+  ``None`` so the count still moves. Linear attention's state is ``sum_s phi(k_s) [v_s, 1]^T``
+  per head (last column: the normaliser), fixed in size.
 
 Two more kinds fit this interface without changing it. Sliding-window + linear attention:
 cache type ``hybrid_sliding`` (transformers' ``LinearAttentionAndSlidingWindowAttentionLayer``:
 a W-position KV ring from ``DynamicSlidingWindowLayer.update`` plus the linear state); read
 the keys about to leave the ring before ``update`` and fold them into the linear state with
 the chunked kernel's initial-state argument. Gated linear attention: type
-``distill_recurrent`` with a state ``sum_s (prod_{r>s} g_r) phi(k_s) v_s^T`` whose decay
+``linear_attention`` with a state ``sum_s (prod_{r>s} g_r) phi(k_s) v_s^T`` whose decay
 ``g_t`` is computed from the layer input; the chunked form carries the decay inside and
 across chunks, the recurrent one multiplies the state by ``g_t`` before each update.
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from distill.model.modeling.modeling_distill_llama import count_new_tokens
+from distill.model.modeling.modeling_distill_llama import store_state
 from distill.replacements import check_layer_idx, linear_flops_per_token
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class ResidualMLP(nn.Module):
     ) -> torch.Tensor:
         """Add the MLP's update to the residual stream, token by token (padding is irrelevant;
         a cache only counts the positions)."""
-        count_new_tokens(cache, self.layer_idx, hidden_BTD.shape[1])
+        store_state(cache, self.layer_idx, None, hidden_BTD.shape[1])
         update_BTH = self.act(self.up(self.norm(hidden_BTD)))
         return hidden_BTD + self.down(update_BTH)
 

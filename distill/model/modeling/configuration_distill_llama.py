@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import PreTrainedConfig
-from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES
 
 LAYER_KINDS: dict[str, tuple[str, ...]] = {
     "copy": (),
@@ -35,8 +34,10 @@ LAYER_KINDS: dict[str, tuple[str, ...]] = {
 }
 """Kind of a replaced layer -> the keys its entry in ``distill_layers`` must carry."""
 
-RECURRENT_LAYER_TYPE = "distill_recurrent"
-"""Cache layer type of replaced layers that keep no KV cache (a fixed-size state, or none)."""
+RECURRENT_LAYER_TYPE = "linear_attention"
+"""Cache layer type of replaced layers that keep no KV cache (a fixed-size state, or none):
+transformers' own ``LinearAttentionLayer``. A standard type, so that transformers' config
+checks (run by ``save_pretrained`` and by ``AutoTokenizer`` on any config) accept it."""
 
 KV_KINDS = ("copy", "pruned", "lowrank")
 """Kinds that run the teacher's own attention and so keep a KV cache of the teacher's type."""
@@ -65,16 +66,6 @@ class DistillLlamaConfig(PreTrainedConfig):
         self.teacher_layer_types = list(teacher_layer_types or ["full_attention"] * num_layers)
         self.layer_types = list(layer_types or _cache_layer_types(self))
         _check(self)
-
-    def validate(self) -> None:
-        """transformers' checks (run at save time), with this model's recurrent cache layer type
-        among the layer types it accepts."""
-        for validator in type(self).__class_validators__:
-            if validator.__name__ != "validate_layer_type":
-                validator(self)
-        unknown = set(self.layer_types) - {*ALLOWED_ATTN_LAYER_TYPES, RECURRENT_LAYER_TYPE}
-        if unknown:
-            raise ValueError(f"distill_llama config: unknown layer_types {sorted(unknown)}")
 
 
 def _cache_layer_types(config: DistillLlamaConfig) -> list[str]:

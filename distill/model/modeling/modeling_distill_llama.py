@@ -23,10 +23,10 @@ as the user gives it to the model; padded positions add nothing to any state or 
 Decode state lives in the model's ``Cache`` (transformers' ``DynamicCache(config=...)``, built
 from ``config.layer_types``), one cache layer per model layer: the teacher's ``DynamicLayer`` /
 ``DynamicSlidingWindowLayer`` KV cache where the teacher's attention runs, and
-:class:`RecurrentStateLayer` (type ``distill_recurrent``) where it does not: transformers'
-``LinearAttentionLayer`` plus the count of positions it has absorbed, which rotary positions
-and masks need. Linear attention keeps ``S = sum_s phi(k_s) [v_s, 1]^T`` per head there (the
-last column is the normaliser); token-wise layers keep only the count.
+transformers' own ``LinearAttentionLayer`` (type ``linear_attention``) where it does not, with
+the count of positions it has absorbed (``SEEN_TOKENS``), which rotary positions need. Linear
+attention keeps ``S = sum_s phi(k_s) [v_s, 1]^T`` per head there (the last column is the
+normaliser); token-wise layers keep only the count.
 
 Linear attention has two forms on one set of weights: chunked (training and prefill: exact
 masked attention inside a chunk plus the running state of earlier chunks) and recurrent
@@ -49,7 +49,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -57,90 +57,43 @@ from .configuration_distill_llama import RECURRENT_LAYER_TYPE, DistillLlamaConfi
 
 DENOMINATOR_EPS = 1e-6
 FEATURE_MAPS = ("hedgehog", "elu")
+SEEN_TOKENS = "seen_tokens"
+"""Attribute of a ``LinearAttentionLayer`` counting the positions it has absorbed: rotary positions
+and, for a student without KV layers, ``past_length`` come from it (transformers' layer has no
+sequence length; fla's ``FLACache`` keeps ``_seen_tokens`` for the same reason)."""
 
 
 # ---------------------------------------------------------------------- cache
-
-
-class RecurrentStateLayer(LinearAttentionLayer, CacheLayerMixin):
-    """Decode state of a replaced layer that keeps no KV cache.
-
-    transformers' ``LinearAttentionLayer`` (fixed-size recurrent states, beam reordering,
-    offloading) plus the number of positions the layer has absorbed: rotary positions and
-    the masks of the layers that do keep a KV cache are computed from it, and a student made
-    only of such layers has no KV cache to count them (fla's ``FLACache`` keeps its
-    ``_seen_tokens`` for the same reason). A layer with no state (token-wise) only counts.
-    """
-
-    _layer_type = RECURRENT_LAYER_TYPE
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, number_of_states: int = 1, **kwargs: Any) -> None:
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-        self.keys = self.values = None
-        self.is_initialized = True
-        self.cumulative_length = 0
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        raise NotImplementedError("a recurrent layer keeps no keys and values; use update_recurrent_state")
-
-    def update_recurrent_state(
-        self, recurrent_states: torch.Tensor | None, state_idx: int = 0, num_new_tokens: int = 0, **kwargs
-    ) -> torch.Tensor | None:
-        """Store the state after ``num_new_tokens`` more positions (None: count only)."""
-        self.cumulative_length += num_new_tokens
-        if recurrent_states is None:
-            return None
-        if not self.is_recurrent_states_initialized[state_idx]:
-            self.device, self.dtype = recurrent_states.device, recurrent_states.dtype
-            self.recurrent_states[state_idx] = recurrent_states.clone()
-            self.is_recurrent_states_initialized[state_idx] = True
-        elif self.recurrent_states[state_idx].shape != recurrent_states.shape:
-            self.recurrent_states[state_idx] = recurrent_states.clone()
-        else:
-            self.recurrent_states[state_idx].copy_(recurrent_states)
-        self.has_previous_state[state_idx] = True
-        return self.recurrent_states[state_idx]
-
-    @property
-    def batch_size(self) -> int:
-        states = [s for s in self.recurrent_states.values() if s is not None]
-        return states[0].shape[0] if states else -1
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
-
-    def reset(self) -> None:
-        LinearAttentionLayer.reset(self)
-        self.cumulative_length = 0
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_states(lambda state: state.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_states(lambda state: state[indices])
-
-    def _map_states(self, fn) -> None:
-        for idx, state in self.recurrent_states.items():
-            if state is not None:
-                self.recurrent_states[idx] = fn(state)
 
 
 def past_length(cache: Cache | None, layer_idx: int) -> int:
     """Positions layer ``layer_idx`` has already seen (0 without a cache)."""
     if cache is None or layer_idx >= len(cache.layers):
         return 0
-    return int(cache.layers[layer_idx].get_seq_length())
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, CacheLayerMixin):
+        return int(layer.get_seq_length())
+    return getattr(layer, SEEN_TOKENS, 0)
 
 
-def count_new_tokens(cache: Cache | None, layer_idx: int, num_tokens: int) -> None:
-    """Record that a state-less layer (token-wise) has absorbed ``num_tokens`` positions."""
-    if cache is not None:
-        cache.update_recurrent_state(None, layer_idx, num_new_tokens=num_tokens)
+def recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
+    """The state layer ``layer_idx`` left in the cache, or None before its first call."""
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx]
+    if not getattr(layer, SEEN_TOKENS, 0) or not layer.is_recurrent_states_initialized[0]:
+        return None
+    return layer.recurrent_states[0]
+
+
+def store_state(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, num_new_tokens: int) -> None:
+    """Keep ``state`` (None: a token-wise layer, nothing to keep) after ``num_new_tokens`` more positions."""
+    if cache is None:
+        return
+    if state is not None:
+        cache.update_recurrent_state(state, layer_idx)
+    layer = cache.layers[layer_idx]
+    setattr(layer, SEEN_TOKENS, getattr(layer, SEEN_TOKENS, 0) + num_new_tokens)
 
 
 def default_positions(
@@ -416,12 +369,10 @@ class LinearAttentionBlock(nn.Module):
         q_BHTE = apply_rotary(q_BHTE, cos_BTE, sin_BTE)
         k_BHTE = apply_rotary(k_BKTE, cos_BTE, sin_BTE).repeat_interleave(self.num_kv_groups, 1)
         v_BHTE = v_BKTE.repeat_interleave(self.num_kv_groups, 1)
-        state_BHFX = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
         out_BHTE, state_BHFX = self.attention(
-            q_BHTE, k_BHTE, v_BHTE, new_token_mask(attention_mask, seq_len), state_BHFX
+            q_BHTE, k_BHTE, v_BHTE, new_token_mask(attention_mask, seq_len), recurrent_state(cache, self.layer_idx)
         )
-        if cache is not None:
-            cache.update_recurrent_state(state_BHFX, self.layer_idx, num_new_tokens=seq_len)
+        store_state(cache, self.layer_idx, state_BHFX, seq_len)
         hidden_BTD = hidden_BTD + self.o_proj(merge_heads(out_BHTE, hidden_BTD.dtype))
         return hidden_BTD + self.mlp(self.post_attention_layernorm(hidden_BTD))
 
@@ -549,12 +500,12 @@ class DistillLlamaResidualMLP(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        count_new_tokens(cache, self.layer_idx, hidden_BTD.shape[1])
+        store_state(cache, self.layer_idx, None, hidden_BTD.shape[1])
         return hidden_BTD + self.down(self.act(self.up(self.norm(hidden_BTD))))
 
 
 class DistillLlamaLinearAttentionLayer(nn.Module):
-    """Kind linear_attention: a :class:`LinearAttentionBlock` (state in a RecurrentStateLayer)."""
+    """Kind linear_attention: a :class:`LinearAttentionBlock` (state in a LinearAttentionLayer of the cache)."""
 
     def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -654,7 +605,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             cache = DynamicCache(config=self.config)
         _check_cache(cache, self.config)
         if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
+            past = past_length(cache, 0)
             position_ids = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         masks = self._teacher_masks(inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
@@ -779,4 +730,4 @@ DistillLlamaConfig.register_for_auto_class()
 DistillLlamaModel.register_for_auto_class("AutoModel")
 DistillLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["DistillLlamaForCausalLM", "DistillLlamaModel", "DistillLlamaPreTrainedModel", "RecurrentStateLayer"]
+__all__ = ["DistillLlamaForCausalLM", "DistillLlamaModel", "DistillLlamaPreTrainedModel"]

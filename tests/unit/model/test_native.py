@@ -162,13 +162,14 @@ def test_cache_layers_follow_the_replacement_kinds(tmp_path: Path) -> None:
             student(_ids(seed=2).repeat(1, 3)[:, :length], cache=cache, use_cache=True)
         assert cache.get_seq_length() == length
         assert [type(layer).__name__ for layer in cache.layers] == [
-            "RecurrentStateLayer", "DynamicSlidingWindowLayer", "RecurrentStateLayer"]
+            "LinearAttentionLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer"]
         sizes[length] = (cache.layers[0].recurrent_states[0].shape, cache.layers[1].keys.shape[-2],
-                         cache.layers[2].recurrent_states[0])
+                         cache.layers[2].recurrent_states[0], cache.layers[2].seen_tokens)
     head_dim = SIZES["hidden_size"] // SIZES["num_attention_heads"]
     assert sizes[6][0] == sizes[24][0] == (2, 4, 2 * head_dim, head_dim + 1)  # hedgehog: 2F features
     assert sizes[24][1] <= 4  # the window, not the context
-    assert sizes[6][2] is None and sizes[24][2] is None
+    assert sizes[6][2] is None and sizes[24][2] is None  # token-wise: positions counted, nothing kept
+    assert (sizes[6][3], sizes[24][3]) == (6, 24)
 
 
 def test_a_cache_of_another_shape_is_refused(tmp_path: Path) -> None:
