@@ -63,8 +63,8 @@ def native_class(teacher: Teacher) -> type[transformers.PreTrainedModel]:
     return modeling_distill_llama.DistillLlamaModel
 
 
-def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for_export: bool = True
-                   ) -> transformers.PreTrainedConfig:
+def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for_export: bool = True,
+                   dtype: torch.dtype | None = None) -> transformers.PreTrainedConfig:
     """The student's config: the teacher's keys, its classes, and ``layer_specs[l]`` per replaced layer.
 
     ``for_export=False`` (a replacement building its modules around copies of the teacher's)
@@ -73,7 +73,7 @@ def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for
     """
     teacher_config = teacher.model.config
     keys = {k: v for k, v in teacher_config.to_dict().items() if k not in _DROPPED_KEYS}
-    keys["dtype"] = str(teacher.dtype).removeprefix("torch.")
+    keys["dtype"] = str(dtype or teacher.dtype).removeprefix("torch.")
     classes = teacher_classes(teacher) if for_export else {}
     common = {"teacher_model_type": teacher_config.model_type, "teacher_classes": classes,
               "distill_layers": {str(idx): spec for idx, spec in sorted(layer_specs.items())}}
@@ -111,9 +111,10 @@ def layers_prefix(teacher: Teacher) -> str:
 
 
 def native_state(
-    teacher: Teacher, replacements: dict[int, nn.Module], include_tied: bool = False
+    teacher: Teacher, replacements: dict[int, nn.Module], include_tied: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The student's weights under the native names, in the teacher's dtype.
+    """The student's weights under the native names, in ``dtype`` (default: the teacher's).
 
     Teacher parts keep the teacher's names (relative to its base model, with ``model.`` for
     causal LMs); replaced layer l's weights are ``<layers>.l.<its own state-dict names>``,
@@ -130,7 +131,7 @@ def native_state(
         head = teacher.model.get_output_embeddings().weight
         if include_tied or head is not teacher.model.get_input_embeddings().weight:
             state["lm_head.weight"] = head
-    return {k: _in_dtype(v, teacher.dtype) for k, v in state.items()}
+    return {k: _in_dtype(v, dtype or teacher.dtype) for k, v in state.items()}
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -139,11 +140,13 @@ def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_native(out_dir: str, teacher: Teacher, replacements: dict[int, nn.Module],
-                 layer_specs: dict[int, dict[str, Any]]) -> transformers.PreTrainedConfig:
-    """Write config.json (with ``auto_map``), the modeling files, model.safetensors (and
-    generation_config.json for causal LMs) to ``out_dir``; returns the config."""
+                 layer_specs: dict[int, dict[str, Any]], dtype: torch.dtype | None = None
+                 ) -> transformers.PreTrainedConfig:
+    """Write config.json (with ``auto_map``), the modeling files, model.safetensors in ``dtype``
+    (default: the teacher's; float32-trained replacements are cast) and generation_config.json
+    (causal LMs) to ``out_dir``; returns the config."""
     os.makedirs(out_dir, exist_ok=True)
-    config = student_config(teacher, layer_specs)
+    config = student_config(teacher, layer_specs, dtype=dtype)
     model_cls = native_class(teacher)
     config_file, modeling_file = FAMILY_FILES[teacher.family]
     config.architectures = [model_cls.__name__]
@@ -152,7 +155,7 @@ def write_native(out_dir: str, teacher: Teacher, replacements: dict[int, nn.Modu
     for name in FAMILY_FILES[teacher.family]:
         shutil.copyfile(MODELING_DIR / name, os.path.join(out_dir, name))
     _write_config(config, out_dir)
-    safetensors.torch.save_file(native_state(teacher, replacements), os.path.join(out_dir, WEIGHTS_FILE),
+    safetensors.torch.save_file(native_state(teacher, replacements, dtype=dtype), os.path.join(out_dir, WEIGHTS_FILE),
                                 metadata={"format": "pt"})
     generation = getattr(teacher.model, "generation_config", None)
     if model_cls is modeling_distill_llama.DistillLlamaForCausalLM and generation is not None:
