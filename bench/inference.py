@@ -6,9 +6,12 @@ fixed seed) is the teacher; the student replaces all 8 layers with
 size wide), is exported with ``export_student`` and loaded back with ``load_student``,
 exactly as a user gets it. Both decode greedily with the cache through their HF forward
 (``distill.model.decode.measure_decode``: the cache grown to the context, then timed single
-token steps; the median step of ``--steps`` after 3 warm-up steps), one after the other in
-this process, at contexts 512, 2048 and 8192 and batch sizes 1 and 8. Printed per cell:
-ms per decode step (one token per sequence) and bytes the cache holds, and the ratios.
+token steps; the median step of ``--steps`` after 3 warm-up steps), in this process, at
+contexts 512, 2048 and 8192 and batch sizes 1 and 8. Each cell alternates teacher and
+student ``--repeats`` times (freeing the other's cache in between) and keeps the median of
+each, so a burst of foreign load or the teacher's gigabytes of KV cache just freed spoils one
+repeat, not the cell. Printed per cell: ms per decode step (one token per sequence), bytes
+the cache holds, and the ratios.
 
 Targets on the 2-core machine: the student's ms/token grows less than 1.2x from 512 to 8192,
 is at least 2x faster than the teacher at 8192, and its state does not grow with context.
@@ -22,6 +25,8 @@ Run it from the repository root (about a minute)::
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import tempfile
 
@@ -45,6 +50,22 @@ def build_models(out_dir: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     replacements = {idx: LinearAttentionLayer(teacher, idx) for idx in range(teacher.num_layers)}
     export_student(teacher, "random-llama", replacements, dict.fromkeys(replacements, CFG), out_dir)
     return teacher.model, load_student(out_dir)
+
+
+def measure_cell(teacher: torch.nn.Module, student: torch.nn.Module, context: int, batch: int, steps: int,
+                 repeats: int) -> tuple[DecodeSpeed, DecodeSpeed]:
+    """Teacher and student at one cell, alternated ``repeats`` times; the median of each."""
+    runs: dict[str, list[DecodeSpeed]] = {"teacher": [], "student": []}
+    for _ in range(repeats):
+        for name, model in (("teacher", teacher), ("student", student)):
+            runs[name].append(measure_decode(model, context, batch, steps))
+            gc.collect()
+    return tuple(_median(runs[name]) for name in ("teacher", "student"))
+
+
+def _median(runs: list[DecodeSpeed]) -> DecodeSpeed:
+    ms = statistics.median(r.ms_per_token for r in runs)
+    return DecodeSpeed(runs[0].context, runs[0].batch, ms, max(r.cache_bytes for r in runs))
 
 
 def _mib(num_bytes: int) -> str:
@@ -83,18 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per cell")
-    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, batch 1, 4 steps")
+    parser.add_argument("--repeats", type=int, default=3, help="teacher/student alternations per cell")
+    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, batch 1, 4 steps, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
-        args.contexts, args.batches, args.steps = [64, 256], [1], 4
+        args.contexts, args.batches, args.steps, args.repeats = [64, 256], [1], 4, 1
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; teacher: random Llama {CONFIG}")
     with tempfile.TemporaryDirectory(prefix="distill-bench-inference-") as out_dir:
         teacher, student = build_models(out_dir)
         rows = []
         for batch in args.batches:
             for context in args.contexts:
-                pair = (measure_decode(teacher, context, batch, args.steps),
-                        measure_decode(student, context, batch, args.steps))
+                pair = measure_cell(teacher, student, context, batch, args.steps, args.repeats)
                 rows.append(pair)
                 print(f"  context {context:>5} batch {batch}: teacher {pair[0].ms_per_token:.2f} ms, "
                       f"student {pair[1].ms_per_token:.2f} ms", flush=True)
