@@ -9,7 +9,6 @@ objects (its ``HFLM(pretrained=<model>)``), so the student runs through exactly 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import Any
 
@@ -18,11 +17,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "mode=eval needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)"
-
-
-def harness_available() -> bool:
-    """True when lm-evaluation-harness can be imported."""
-    return importlib.util.find_spec("lm_eval") is not None
 
 
 def harness_scores(

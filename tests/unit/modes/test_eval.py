@@ -9,6 +9,9 @@ task written as JSONL by the test (no hub), and is skipped where lm_eval is not 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,11 +88,10 @@ def _local_task(tmp_path: Path) -> Path:
     return tasks
 
 
-def test_mode_eval_scores_student_and_teacher_on_a_local_task(tmp_path: Path, monkeypatch) -> None:
+def test_mode_eval_scores_student_and_teacher_on_a_local_task(tmp_path: Path) -> None:
+    """``python -m distill mode=eval`` as a user runs it (its own process: the harness and
+    accelerate set process-wide state that must not leak into other tests)."""
     pytest.importorskip("lm_eval")
-    from distill.modes.eval import run_eval
-
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     torch.manual_seed(0)
     tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n"] * 8, vocab_size=300, seq_len=64)
     teacher = Teacher(LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
@@ -100,11 +102,12 @@ def test_mode_eval_scores_student_and_teacher_on_a_local_task(tmp_path: Path, mo
     student_dir = tmp_path / "student"
     export_student(teacher, str(teacher_dir), replacements, dict.fromkeys(replacements, CFG), str(student_dir),
                    tokenizer)
-    cfg = _compose([f"lm_eval.student={student_dir}", "lm_eval.tasks=[distill_tiny_mc]",
-                    f"lm_eval.include_path={_local_task(tmp_path)}", f"lm_eval.output_dir={tmp_path / 'out'}",
-                    "lm_eval.batch_size=4", "log_level=WARNING"])
-    check_config(cfg)
-    run_eval(cfg)
+    overrides = [f"lm_eval.student={student_dir}", "lm_eval.tasks=[distill_tiny_mc]",
+                 f"lm_eval.include_path={_local_task(tmp_path)}", "lm_eval.batch_size=4", "log_level=WARNING"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "distill", "mode=eval", *overrides, f"hydra.run.dir={tmp_path / 'out'}"],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert result["teacher"] == str(teacher_dir)  # from the student's distill_student.json
     (row,) = result["rows"]
