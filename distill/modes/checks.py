@@ -35,7 +35,19 @@ def check_config(cfg: DictConfig) -> None:
         _check_shm(cfg, batch_config.nbytes(), max_positions(stages))
     _check_devices(cfg)
     _check_memory(cfg)
+    if cfg.mode == Mode.eval:
+        _check_eval(cfg)
     _check_auth(cfg)
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """mode=eval needs an exported student and lm-evaluation-harness (an optional extra)."""
+    student = cfg.lm_eval.student
+    if not student or not os.path.isfile(os.path.join(str(student), "distill_student.json")):
+        raise ValueError(f"mode=eval needs lm_eval.student=<an exported student directory> (a run's student/); "
+                         f"got {student!r}")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError("mode=eval needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)")
 
 
 def _check_numbers(cfg: DictConfig) -> None:

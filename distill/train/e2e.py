@@ -305,8 +305,9 @@ def load_e2e_student(ctx: StudentContext) -> tuple[Teacher, dict[int, nn.Module]
     """(base, replacements) of the end-to-end-trained student, ready for export and evaluation.
 
     ``base`` is the teacher, or with ``trainable=all`` the trained student's own model (its
-    trained embeddings, kept layers and head; the replaced layers' places hold the spliced
-    replacements, which export and scoring put back by index), so no further copy is made.
+    trained embeddings, kept layers and head), so no further copy is made; the replaced
+    layers' places get the teacher's own layers back (frozen, never run: export and scoring
+    put the replacements in by index, and the native export reads the layers' class there).
     """
     trainable = ctx.cfg.student.e2e.trainable
     replacements = load_stage_replacements(ctx, ctx.stages)
@@ -317,4 +318,7 @@ def load_e2e_student(ctx: StudentContext) -> tuple[Teacher, dict[int, nn.Module]
         replacement.eval().requires_grad_(False)
     if trainable != Trainable.all:
         return ctx.teacher, replacements
+    layers = student.model.get_submodule(student.layers_name)
+    for idx in replacements:
+        layers[idx] = ctx.teacher.layers[idx]
     return Teacher(student.model, device=ctx.device), replacements
