@@ -88,9 +88,12 @@ def raw_body(fields: dict[str, Any], raw_fields: dict[str, bytes]) -> bytes:
     return bytes(out)
 
 
-def empty_maps(count: int) -> bytes:
-    """The msgpack of a list of ``count`` empty maps: 1 byte each on the wire, ~64 in memory."""
-    return b"\xdd" + count.to_bytes(4, "big") + b"\x80" * count
+def empty_maps(count: int, per_list: int = 65536) -> bytes:
+    """The msgpack of lists of ``per_list`` empty maps, ``count`` maps in all (1 byte each on
+    the wire, ~64 in memory; in lists that each pass msgpack's ``max_array_len``)."""
+    lists = [min(per_list, count - start) for start in range(0, count, per_list)]
+    return (b"\xdd" + len(lists).to_bytes(4, "big")
+            + b"".join(b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n for n in lists))
 
 
 def request(peer_id: str, medium: str, slots: list[list[int]], *, stride: int = 4160,
@@ -117,4 +120,43 @@ def fetch_stats(frontend_endpoint: str, timeout_s: float = 2.0) -> dict | None:
         reply = peer.recv(timeout_s)
         return reply.body["stats"] if reply is not None and reply.command is Command.STATS_REPLY else None
     finally:
+        peer.close()
+
+
+FLOOD_KINDS = ("maps", "oversized", "requests")
+
+
+def flood_frames(kind: str, peer_id: str, seq: int) -> list[bytes]:
+    """One flood message: ``maps``, a REQUEST of ~1.9 MiB of empty maps (the cheapest bytes to
+    send, the dearest to unpack); ``oversized``, the same at ~4 MiB (the protocol's old message
+    limit); ``requests``, a valid REQUEST of 8,192 fresh slots (refused, answered with its slots)."""
+    if kind == "requests":
+        return protocol.encode(Command.REQUEST, request(peer_id, medium_name(f"flood{peer_id[-4:]}"),
+                                                        [[i, seq * 8192 + i] for i in range(8192)]))
+    count = (1_900_000 if kind == "maps" else 4 * 2**20 - 4096)
+    body = raw_body({"run_id": "default", "peer_id": peer_id, "generation": 0, "medium": "dst_flood_1_1",
+                     "stride": 4160}, {"slots": empty_maps(count)})
+    return [PROTOCOL_TAG, Command.REQUEST.value, body]
+
+
+def run_flooder(endpoint: str, kinds: tuple[str, ...], seconds: float, counts) -> None:
+    """A peer that sends flood messages of ``kinds`` in turn, as fast as the broker takes
+    them and reading none of the answers, for ``seconds``; puts what it sent into ``counts``."""
+    peer_id = f"flooder-{os.getpid()}"
+    peer = Peer(endpoint, peer_id)
+    frames = {kind: flood_frames(kind, peer_id, 0) for kind in kinds}
+    sent = dict.fromkeys(kinds, 0)
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            for kind in kinds:
+                if kind == "requests":
+                    frames[kind] = flood_frames(kind, peer_id, sent[kind] + 1)
+                try:
+                    peer.sock.send_multipart(frames[kind], zmq.NOBLOCK)
+                    sent[kind] += 1
+                except zmq.Again:
+                    peer.sock.poll(50, zmq.POLLOUT)
+    finally:
+        counts.put(sent)
         peer.close()

@@ -36,6 +36,7 @@ from distill.pipeline.broker.records import SlotRequests, Work, WorkerPeer
 from distill.pipeline.broker.runs import RunState
 from distill.pipeline.broker.state import BrokerState
 from distill.pipeline.protocol import Command
+from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Dispatcher:
 
     def __init__(self, state: BrokerState) -> None:
         self.state = state
+        self._failures = LogThrottle(log)
 
     # ------------------------------------------------------------------ WORK
     def dispatch(self) -> None:
@@ -64,7 +66,7 @@ class Dispatcher:
                 return
             run = state.runs.runs[order[0]]
             order.rotate(-1)
-            if run.model_id is None or not run.queue or not self._send_next(worker, run):
+            if run.model_id is None or not run.queued or not self._send_next(worker, run):
                 idle += 1
                 continue
             idle = 0
@@ -92,13 +94,13 @@ class Dispatcher:
         if not worker.in_flight:
             return False
         waiting_for = {other.run_id for other in self.state.runs.runs.values()
-                       if other is not run and other.share_model and not other.queue and run.same_model(other)}
+                       if other is not run and other.share_model and not other.queued and run.same_model(other)}
         return bool(waiting_for & {student.run_id for student in self.state.students.peers.values()})
 
     def _partners(self, run: RunState) -> list[RunState]:
         """Other opted-in runs with queued slots and exactly ``run``'s model."""
         return [other for other in self.state.runs.runs.values()
-                if other is not run and other.share_model and other.queue and run.same_model(other)]
+                if other is not run and other.share_model and other.queued and run.same_model(other)]
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
         """A plain WORK (one run). A run opted in to fan-out is marked ``shared``, so its
@@ -201,7 +203,7 @@ class Dispatcher:
                 by_student.setdefault(request.student, []).extend(
                     [slot_idx, request_id, True] for slot_idx, request_id in request.slots)
         else:
-            _sort_outcomes(work, stale, failed, by_student, discarded)
+            _sort_outcomes(work, stale, failed, by_student, discarded, self._failures)
             if notified and not stale:
                 num_notified = _drop_notified(work, notified, by_student)
         self._count_outcomes(run, by_student, discarded, num_notified, bool(failed))
@@ -239,7 +241,7 @@ def _slots(requests: list[SlotRequests]) -> Iterator[tuple[SlotRequests, int, in
 
 
 def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: dict[bytes, list[list]],
-                   discarded: dict[bytes, list[list[int]]]) -> None:
+                   discarded: dict[bytes, list[list[int]]], failures: LogThrottle) -> None:
     """Slot by slot: completed (ok or failed) or discarded (stale)."""
     idx = 0
     for request in work.requests:
@@ -249,7 +251,7 @@ def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: 
             else:
                 ok = idx not in failed
                 if not ok:
-                    log.warning("worker failed slot %d of %s: %s", slot_idx, request.medium, failed[idx])
+                    failures.warning("worker failed slot %d of %s: %s", slot_idx, request.medium, failed[idx])
                 by_student.setdefault(request.student, []).append([slot_idx, request_id, ok])
             idx += 1
 

@@ -1,10 +1,12 @@
 """Runs and their queues: the only code that moves slots in or out of a run's queue.
 
-State per run (``RunState``): model, generation, a FIFO of requested slots. Every
-change to a queue goes through :class:`RunTable`, which keeps three counts in step
+State per run (``RunState``): model, generation, and the requested slots: one FIFO per
+student connection, served round robin, so a student that queues thousands of slots
+(a flood, or just a big pool) does not make the one behind it wait for all of them.
+Every change to a queue goes through :class:`RunTable`, which keeps three counts in step
 with it: the run's ``queued``, the broker's total, and each connection's (its
 ``Connection.queued``), so the limits never sum over tables and no count drifts from
-the queue it describes. The table also keeps what the runs' ``model_cfg`` weigh
+the queues it describes. The table also keeps what the runs' ``model_cfg`` weigh
 together (``retained_cfg_bytes``), bounded by ``max_retained_cfg_bytes``.
 
 :class:`RequestLedger` remembers which slot requests are outstanding or were just
@@ -14,7 +16,7 @@ first REQUEST was still on the way) never has one slot dispatched twice.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -35,9 +37,10 @@ class RunState:
     model_cfg: dict | None = None
     cfg_cost: int = 0
     """What keeping ``model_cfg`` costs (``limits.cfg_cost``), counted in the table's total."""
-    queue: deque[SlotRequests] = field(default_factory=deque)
+    queues: OrderedDict[Connection, deque[SlotRequests]] = field(default_factory=OrderedDict)
+    """Per student connection, its requests in order; the first connection is served next."""
     queued: int = 0
-    """Slots in ``queue``."""
+    """Slots in ``queues``."""
     completed: int = 0
     discarded: int = 0
     leader_epoch: int = 0
@@ -83,7 +86,7 @@ class RunTable:
             return
         in_use = busy()
         idle = next((r.run_id for r in self.runs.values()
-                     if r.model_id is None and not r.queue and r.run_id not in in_use), None)
+                     if r.model_id is None and not r.queued and r.run_id not in in_use), None)
         if idle is None:
             raise over_limit(f"{len(self.runs)} runs known, cannot add run {run_id[:40]}", "max_runs")
         del self.runs[idle]
@@ -107,36 +110,50 @@ class RunTable:
                    (config.max_queued_per_run - run.queued, "max_queued_per_run"))
 
     def enqueue(self, run: RunState, request: SlotRequests) -> None:
-        run.queue.append(request)
+        queue = run.queues.get(request.owner)
+        if queue is None:
+            queue = run.queues[request.owner] = deque()
+        queue.append(request)
         self._count(run, (request,), +1)
 
     def requeue_front(self, run: RunState, requests: list[SlotRequests]) -> None:
-        """Put ``requests`` back at the head of the queue, in their order (first served first)."""
-        run.queue.extendleft(reversed(requests))
+        """Put ``requests`` back at the head of their connections' queues, in their order,
+        and those connections first in turn (their slots were waiting longest)."""
+        by_owner: dict[Connection, list[SlotRequests]] = {}
+        for request in requests:
+            by_owner.setdefault(request.owner, []).append(request)
+        for owner, group in reversed(by_owner.items()):
+            queue = run.queues.get(owner)
+            if queue is None:
+                queue = run.queues[owner] = deque()
+            queue.extendleft(reversed(group))
+            run.queues.move_to_end(owner, last=False)
         self._count(run, requests, +1)
 
     def take(self, run: RunState, count: int) -> list[SlotRequests]:
-        """Up to ``count`` queued slots, oldest first (the last group split if needed)."""
+        """Up to ``count`` queued slots, shared out among the run's connections in turn
+        (each connection's oldest first; a group split where a share ends)."""
         taken: list[SlotRequests] = []
-        left = count
-        queue = run.queue
-        while left > 0 and queue:
-            head = queue[0]
-            if len(head.slots) <= left:
-                taken.append(queue.popleft())
-            else:
-                taken.append(SlotRequests(head.owner, head.run_id, head.medium, head.stride, head.slots[:left]))
-                del head.slots[:left]
-            left -= len(taken[-1].slots)
+        left, queues = count, run.queues
+        while left > 0 and queues:
+            share = max(1, left // len(queues))
+            for owner in list(queues):
+                if left <= 0:
+                    break
+                got = _take_from(queues[owner], min(share, left))
+                taken.extend(got)
+                left -= sum(len(r.slots) for r in got)
+                if not queues[owner]:
+                    del queues[owner]
+        if queues:
+            queues.move_to_end(next(iter(queues)))  # the next take starts with another connection
         self._count(run, taken, -1)
         return taken
 
     def drop(self, run: RunState, connection: Connection) -> list[SlotRequests]:
         """Take every queued request of ``connection`` out of ``run``; returns them."""
-        dropped = [r for r in run.queue if r.owner is connection]
-        if dropped:
-            run.queue = deque(r for r in run.queue if r.owner is not connection)
-            self._count(run, dropped, -1)
+        dropped = list(run.queues.pop(connection, ()))
+        self._count(run, dropped, -1)
         return dropped
 
     def _count(self, run: RunState, requests: Iterable[SlotRequests], sign: int) -> None:
@@ -147,6 +164,21 @@ class RunTable:
             total += count
         run.queued += sign * total
         self.queued += sign * total
+
+
+def _take_from(queue: deque[SlotRequests], count: int) -> list[SlotRequests]:
+    """Up to ``count`` slots from the head of one connection's queue (the last group split)."""
+    taken: list[SlotRequests] = []
+    left = count
+    while left > 0 and queue:
+        head = queue[0]
+        if len(head.slots) <= left:
+            taken.append(queue.popleft())
+        else:
+            taken.append(SlotRequests(head.owner, head.run_id, head.medium, head.stride, head.slots[:left]))
+            del head.slots[:left]
+        left -= len(taken[-1].slots)
+    return taken
 
 
 class RequestLedger:

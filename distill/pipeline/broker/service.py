@@ -6,14 +6,12 @@ dead and overdue peers are purged. The loop is unbreakable: a handler or dispatc
 step that raises is logged with the peer, its message dropped and counted (STATS
 ``errors``), and the broker serves on.
 
-Serving peers fairly: each socket is read for at most DRAIN_BUDGET_S (or
-DRAIN_MAX_MESSAGES) per pass before the next socket and the dispatcher get their turn,
+Serving peers fairly (``ingress.py``): small messages are handled as they come, large
+ones (which may cost milliseconds to unpack) parked per peer and handled round robin
+within a share of the broker's time; each socket is read for a bounded time per pass,
 so a flood on one socket cannot starve the others (workers' DONEs, STATS, a leader's
-SET_MODEL); within a socket ZeroMQ hands out one message per peer in turn, so a
-flooding peer is one message ahead of any other peer at most; and what one message
-may cost to unpack is bounded by the protocol (``protocol.decode``). What one peer can
-park in the broker's memory is bounded by ZeroMQ: BROKER_RCVHWM messages of at most
-BROKER_MAX_MESSAGE_BYTES.
+SET_MODEL). What one peer can park in the broker's memory is bounded: BROKER_RCVHWM
+messages of at most BROKER_MAX_MESSAGE_BYTES in ZeroMQ, MAX_PARKED_BYTES in ours.
 """
 
 from __future__ import annotations
@@ -35,18 +33,16 @@ from distill.pipeline.broker.config import BrokerConfig
 from distill.pipeline.broker.control import Control
 from distill.pipeline.broker.dispatch import Dispatcher
 from distill.pipeline.broker.frontend import Frontend
+from distill.pipeline.broker.ingress import Ingress
 from distill.pipeline.broker.records import Impostor
 from distill.pipeline.broker.state import BrokerState, Sockets
 from distill.pipeline.endpoints import BrokerLock, default_endpoint, prepare_endpoint
-from distill.pipeline.protocol import Command, Message, ProtocolError
+from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.stats import BrokerStats
 from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
-DRAIN_BUDGET_S = 0.01
-"""Longest one socket is read in one pass of the loop (then the others get their turn)."""
-DRAIN_MAX_MESSAGES = 512
 Handler = Callable[[bytes, "str | None", dict], None]
 
 
@@ -204,17 +200,21 @@ class Broker:
         state = self._state
         state.sockets = socks
         table = self._handlers(socks)
+        ingress = Ingress(lambda sock, identity, frames, key: self._route(sock, identity, frames, key, table),
+                          state.counters, keyed=self._keys is not None)
         poller = zmq.Poller()
         for sock in (socks.frontend, socks.backend, socks.control):
             poller.register(sock, zmq.POLLIN)
         interval_s = self.config.heartbeat_interval_s
         next_purge = time.monotonic() + interval_s
         while not self._stop.is_set():
-            events = dict(poller.poll(interval_s * 1000))
+            parked_in = ingress.waiting_s
+            events = dict(poller.poll(1000 * (interval_s if parked_in is None else min(interval_s, parked_in))))
             with state.lock:
                 for sock in (socks.control, socks.backend, socks.frontend):  # control first: switches win
                     if sock in events:
-                        self._drain(sock, table)
+                        self._guarded("receive", ingress.drain, sock)
+                self._guarded("parked message", ingress.serve_parked)
                 self._guarded("dispatch", self._dispatcher.dispatch)
                 if (now := time.monotonic()) >= next_purge:
                     self._guarded("purge", self._purge, now)
@@ -233,24 +233,13 @@ class Broker:
             self._failures.warning("broker %s step failed (the broker serves on): %s", step,
                                    traceback.format_exc(limit=8))
 
-    def _drain(self, sock: zmq.Socket, table: dict[tuple[int, Command], Handler]) -> None:
-        """Route the messages waiting on ``sock``, for at most DRAIN_BUDGET_S."""
-        keyed = self._keys is not None
-        deadline = time.perf_counter() + DRAIN_BUDGET_S
-        for _ in range(DRAIN_MAX_MESSAGES):
-            if keyed:
-                identity, msg, key = protocol.recv_keyed(sock)
-            else:
-                (identity, msg), key = protocol.recv_routed(sock), None
-            self._route(sock, identity, msg, key, table)
-            if not protocol.readable(sock) or time.perf_counter() > deadline:
-                return
-
-    def _route(self, sock: zmq.Socket, identity: bytes, msg: Message | ProtocolError, key: str | None,
+    def _route(self, sock: zmq.Socket, identity: bytes, frames: list[bytes], key: str | None,
                table: dict[tuple[int, Command], Handler]) -> None:
         """One message to its handler; every way it can go wrong ends here, answered."""
-        if isinstance(msg, ProtocolError):
-            self._refuse(sock, identity, msg.reason)
+        try:
+            msg = protocol.decode(frames)
+        except ProtocolError as exc:
+            self._refuse(sock, identity, exc.reason)
             return
         handler = table.get((id(sock), msg.command))
         if handler is None:

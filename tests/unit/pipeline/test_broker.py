@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import pytest
 
@@ -102,7 +103,11 @@ def test_a_dispatch_step_that_raises_is_counted_and_the_broker_serves_on(endpoin
     monkeypatch.setattr(Dispatcher, "dispatch", failing)
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     try:
-        for _ in range(5):
+        deadline = time.monotonic() + 10
+        while broker.stats.errors < 3:  # the loop runs dispatch at least once per heartbeat
+            assert time.monotonic() < deadline, f"dispatch ran {len(failures)} times in 10 s"
+            time.sleep(0.05)
+        for _ in range(3):
             assert fetch_stats(endpoints["frontend"]) is not None
         assert broker.stats.errors == 3
     finally:
@@ -117,11 +122,11 @@ def _requests(owner: Connection, medium: str, slots: list[list[int]]) -> SlotReq
 def _check_counts(table: RunTable, connections: list[Connection]) -> None:
     """The invariant RunTable keeps: every count equals what the queues hold."""
     for run in table.runs.values():
-        assert run.queued == sum(len(r.slots) for r in run.queue)
+        assert run.queued == sum(len(r.slots) for queue in run.queues.values() for r in queue)
     assert table.queued == sum(run.queued for run in table.runs.values())
     for connection in connections:
-        assert connection.queued == sum(len(r.slots) for run in table.runs.values() for r in run.queue
-                                        if r.owner is connection)
+        assert connection.queued == sum(len(r.slots) for run in table.runs.values()
+                                        for r in run.queues.get(connection, ()))
 
 
 def test_run_queue_counts_stay_equal_to_the_queues_through_every_change() -> None:
@@ -131,16 +136,30 @@ def test_run_queue_counts_stay_equal_to_the_queues_through_every_change() -> Non
     table.enqueue(run, _requests(a, "m1", [[i, i] for i in range(5)]))
     table.enqueue(run, _requests(b, "m2", [[i, i] for i in range(3)]))
     _check_counts(table, [a, b])
-    taken = table.take(run, 6)  # splits b's group
-    assert [len(r.slots) for r in taken] == [5, 1]
+    taken = table.take(run, 6)  # three of each: a's group split
+    assert [(r.owner, len(r.slots)) for r in taken] == [(a, 3), (b, 3)]
     _check_counts(table, [a, b])
     table.requeue_front(run, taken)
     _check_counts(table, [a, b])
-    assert [r.owner for r in run.queue] == [a, b, b]
+    assert [len(r.slots) for r in run.queues[a]] == [3, 2] and [r.slots for r in run.queues[a]][0] == [[0, 0], [1, 1], [2, 2]]
     table.drop(run, b)
     _check_counts(table, [a, b])
     assert b.queued == 0 and a.queued == 5
     assert table.room(run, a) == (BrokerConfig().max_queued_per_student - 5, "max_queued_per_student")
+
+
+def test_a_student_with_many_slots_queued_does_not_hold_up_the_one_behind_it() -> None:
+    table = RunTable(BrokerConfig())
+    big, small = Connection(b"big", None), Connection(b"small", None)
+    run = table.get_or_add("r", set)
+    table.enqueue(run, _requests(big, "m1", [[i, i] for i in range(8192)]))
+    table.enqueue(run, _requests(small, "m2", [[i, i] for i in range(4)]))
+    first = table.take(run, 8)
+    assert [(r.owner, len(r.slots)) for r in first] == [(big, 4), (small, 4)]
+    assert [(r.owner, len(r.slots)) for r in table.take(run, 8)] == [(big, 8)]
+    table.enqueue(run, _requests(small, "m2", [[4, 4]]))
+    assert {r.owner for r in table.take(run, 2)} == {big, small}
+    _check_counts(table, [big, small])
 
 
 def test_a_full_run_table_forgets_an_idle_run_or_refuses_by_name() -> None:
