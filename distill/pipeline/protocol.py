@@ -59,7 +59,10 @@ requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
 slots you asked of this process directly"; the student quarantines those too and
 frees each when that worker's late answer to it (notice or DECLINED) comes.
 SET_MODEL carries the leader's epoch: a switch from an older epoch than the run has
-seen is refused.
+seen is refused. A switch also carries ``min_generation`` (the leader's newest generation
++ 1): the new model's generation is above both the run's and that, so a broker that
+restarted (and counts from 0 again) never gives a new model an older model's number; a
+restore (``restore_generation``) puts the leader's model back at its own number.
 
 Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
 (equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
@@ -168,21 +171,21 @@ class Message:
 
 # --------------------------------------------------------------------------- schema
 # Each field: name -> kind. Kinds: "str", "int" (0..MAX_INT), "bool", "dict" (a msgpack
-# map, nested at most MAX_CFG_DEPTH deep), "cfg" (a dict of at most MAX_CFG_NODES
-# values: a model_cfg), "names" (a list of "str"),
+# map nested at most MAX_CFG_DEPTH deep, of at most MAX_CFG_NODES values: a model_cfg),
+# "map" (as "dict", of any number of values: the broker's statistics), "names" (a list of "str"),
 # or a list kind ("slots", "items", "failed", "done_slots") checked element-wise below.
 # A trailing "?" marks an optional field.
 
 SCHEMA: dict[Command, dict[str, str]] = {
     Command.HELLO: {"run_id": "str", "peer_id": "str", "rank": "int?"},
-    Command.WELCOME: {"run_id": "str", "generation": "int", "model_id": "str?", "model_cfg": "cfg?",
+    Command.WELCOME: {"run_id": "str", "generation": "int", "model_id": "str?", "model_cfg": "dict?",
                       "heartbeat_interval_ms": "int"},
     Command.REQUEST: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
                       "stride": "int", "slots": "slots"},
     Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?",
                     "direct": "dict?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
-                   "model_cfg": "cfg?", "items": "items", "runs": "runs?", "copies": "copies?",
+                   "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?",
                    "shared": "bool?"},
     Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed",
                    "notified": "names?"},
@@ -190,14 +193,14 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
     Command.QUARANTINE: {"slots": "slots", "process": "str?", "direct": "bool?"},
     Command.RELEASE: {"slots": "slots"},
-    Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "cfg?",
-                        "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str",
-                        "share_model": "bool?"},
+    Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
+                        "restore_generation": "int?", "min_generation": "int?", "leader_epoch": "int",
+                        "peer_id": "str", "share_model": "bool?"},
     Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
-    Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "cfg?"},
+    Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
     Command.STOP: {"run_id": "str?"},
     Command.STATS: {"run_id": "str?"},
-    Command.STATS_REPLY: {"stats": "dict"},
+    Command.STATS_REPLY: {"stats": "map"},
     Command.HEARTBEAT: {"peer_id": "str", "role": "str", "direct": "dict?", "interval_ms": "int?"},
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
@@ -338,10 +341,10 @@ def _check_value(command: Command, key: str, kind: str, value: Any) -> None:
         _check_str(where, value)
     elif kind == "int":
         _check_int(where, value)
-    elif kind in ("dict", "cfg"):
+    elif kind in ("dict", "map"):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be a map")
-        nodes = MAX_CFG_NODES if kind == "cfg" else MAX_CONTAINERS
+        nodes = MAX_CFG_NODES if kind == "dict" else MAX_CONTAINERS
         if not nested_within(value, MAX_CFG_DEPTH, nodes):
             raise ProtocolError(f"{where} nests deeper than {MAX_CFG_DEPTH} levels or holds more than "
                                 f"{nodes} values")
@@ -472,8 +475,8 @@ _WELL_FORMED = {
 _QUICK_CHECKS = {
     "str": lambda v: type(v) is str and len(v) <= MAX_STRING_CHARS,
     "int": lambda v: type(v) is int and 0 <= v <= MAX_INT,
-    "dict": lambda v: type(v) is dict and nested_within(v, MAX_CFG_DEPTH, MAX_CONTAINERS),
-    "cfg": lambda v: type(v) is dict and nested_within(v, MAX_CFG_DEPTH, MAX_CFG_NODES),
+    "dict": lambda v: type(v) is dict and nested_within(v, MAX_CFG_DEPTH, MAX_CFG_NODES),
+    "map": lambda v: type(v) is dict and nested_within(v, MAX_CFG_DEPTH, MAX_CONTAINERS),
     "bool": lambda v: type(v) is bool,
     "names": lambda v: type(v) is list and len(v) <= MAX_ITEMS_PER_MESSAGE
     and all(type(s) is str and len(s) <= MAX_STRING_CHARS for s in v),

@@ -49,9 +49,8 @@ class BrokerConfig:
     max_queued: int = 1_000_000
     """Slots queued over all runs (a queued slot costs about 150 bytes)."""
     max_queued_per_student: int = 8_192
-    """Slots one student connection may have queued; also the most one REQUEST may ask
-    for. A consumer process never needs more than it owns (pipeline.slot_count); keep
-    it below protocol.BROKER_SNDHWM."""
+    """Slots one student connection may have queued. A consumer process never needs more
+    than it owns (pipeline.slot_count); keep it below protocol.BROKER_SNDHWM."""
     max_students: int = 16_384
     """Student peers: every rank's client and every DataLoader worker is one."""
     max_workers: int = 4_096

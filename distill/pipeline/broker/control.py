@@ -31,13 +31,14 @@ class Control:
         run = state.runs.get_or_add(body["run_id"], state.busy_runs)
         self._check_leader(run, body["leader_epoch"], body["peer_id"])
         restore = body.get("restore_generation")
-        limits.check_generation_room(run.run_id, run.generation, restore)
+        floor = body.get("min_generation") or 0  # a switch: above every generation the leader knows
+        limits.check_generation_room(run.run_id, run.generation, max(restore or 0, floor))
         model_cfg = body.get("model_cfg")
         state.runs.set_model(run, body["model_id"], model_cfg, limits.cfg_cost(state.config, model_cfg))
         if restore is not None and restore >= run.generation:
             run.generation = restore  # a leader re-joining a restarted broker
         else:
-            run.generation += 1
+            run.generation = max(run.generation + 1, floor)
         run.share_model = bool(body.get("share_model"))
         log.info("run %s: model %s, generation %d", run.run_id, run.model_id, run.generation)
         state.send.publish(Command.MODEL, {"run_id": run.run_id, "generation": run.generation,

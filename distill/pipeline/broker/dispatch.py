@@ -32,7 +32,7 @@ from typing import Any
 
 from distill.pipeline import protocol
 from distill.pipeline.broker.config import MAX_WORK_ITEMS
-from distill.pipeline.broker.records import SlotRequests, Work, WorkerPeer
+from distill.pipeline.broker.records import SlotRequests, Work, WorkerPeer, medium_label
 from distill.pipeline.broker.runs import RunState
 from distill.pipeline.broker.state import BrokerState
 from distill.pipeline.protocol import Command
@@ -251,7 +251,8 @@ def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: 
             else:
                 ok = idx not in failed
                 if not ok:
-                    failures.warning("worker failed slot %d of %s: %s", slot_idx, request.medium, failed[idx])
+                    failures.warning("worker failed slot %d of %s: %s", slot_idx, medium_label(request.medium),
+                                     failed[idx])
                 by_student.setdefault(request.student, []).append([slot_idx, request_id, ok])
             idx += 1
 

@@ -16,7 +16,7 @@ import time
 
 from distill.pipeline.broker import limits
 from distill.pipeline.broker.limits import over_limit
-from distill.pipeline.broker.records import SlotRequests, StudentPeer, check_key
+from distill.pipeline.broker.records import SlotRequests, StudentPeer, check_key, medium_label
 from distill.pipeline.broker.state import BrokerState
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.throttle import LogThrottle
@@ -69,7 +69,8 @@ class Frontend:
             slots = slots[:room]
         fresh = state.ledger.admit(medium, slots)
         if len(fresh) < len(slots):
-            self._repeats.warning("dropped %d repeated request(s) for slots of %s", len(slots) - len(fresh), medium)
+            self._repeats.warning("dropped %d repeated request(s) for slots of %s", len(slots) - len(fresh),
+                                  medium_label(medium))
         if fresh:
             state.runs.enqueue(run, SlotRequests(peer.connection, run.run_id, medium, stride, fresh))
         state.counters.requested += len(fresh)

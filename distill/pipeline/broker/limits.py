@@ -45,14 +45,12 @@ def worker_batch(max_batch: int) -> int:
 
 
 def check_request(config: BrokerConfig, stride: int, slots: list[list[int]]) -> None:
-    """Refuse a REQUEST whose geometry or size no student can have."""
+    """Refuse a REQUEST whose geometry no student can have (its size is split at the
+    queue limits instead: what does not fit is named back, to be asked for again)."""
     if stride <= HEADER_BYTES:
         raise ProtocolError(f"REQUEST.stride {stride} leaves no room after the {HEADER_BYTES}-byte header")
     if stride > config.max_stride_bytes:
         raise over_limit(f"REQUEST.stride {stride}", "max_stride_bytes")
-    if len(slots) > config.max_queued_per_student:
-        raise over_limit(f"a REQUEST of {len(slots)} slots (a student may have "
-                         f"{config.max_queued_per_student} queued)", "max_queued_per_student")
     top = config.max_slots_per_medium
     if any(slot_idx >= top for slot_idx, _ in slots):
         raise over_limit(f"REQUEST names a slot index >= {top}", "max_slots_per_medium")

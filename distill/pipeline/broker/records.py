@@ -103,6 +103,15 @@ class StudentPeer:
     connection: Connection
 
 
+def medium_label(medium: str) -> str:
+    """A medium's name as logs and refusals show it: a network medium's name carries the
+    key of its data socket (``mediums/tcp.py``), which stays out of them."""
+    if "://" not in medium:
+        return medium[:64]
+    parts = medium.split("/")
+    return f"{parts[0]}//{parts[2][:64]}/.../{parts[-1][:64]}" if len(parts) > 4 else f"{parts[0]}//{parts[2][:64]}/..."
+
+
 class Impostor(ProtocolError):
     """A message naming a peer id or medium bound to another connection (or key)."""
 
@@ -170,14 +179,14 @@ class StudentTable:
         owner = self.mediums.get(medium)
         if owner is connection:
             if connection.mediums[medium] != stride:
-                raise ProtocolError(f"REQUEST.stride {stride} for medium {medium[:64]}, which this student "
+                raise ProtocolError(f"REQUEST.stride {stride} for medium {medium_label(medium)}, which this student "
                                     f"asked for with stride {connection.mediums[medium]}: refused")
             return
         if owner is not None:
-            raise Impostor(f"medium {medium[:64]} belongs to another student connection: refused")
+            raise Impostor(f"medium {medium_label(medium)} belongs to another student connection: refused")
         if len(connection.mediums) >= self.config.max_mediums_per_student:
             raise over_limit(f"this student owns {len(connection.mediums)} mediums, cannot add "
-                             f"{medium[:64]}", "max_mediums_per_student")
+                             f"{medium_label(medium)}", "max_mediums_per_student")
         self.mediums[medium] = connection
         connection.mediums[medium] = stride
 

@@ -226,14 +226,12 @@ def test_peer_ids_and_mediums_are_bound_to_the_connection_that_first_used_them()
 
 # --------------------------------------------------------------------------- limits
 def test_numbers_a_peer_sends_are_capped_where_they_are_read() -> None:
-    config = BrokerConfig(max_worker_credit=100, max_slots_per_medium=16, max_stride_bytes=1 << 20,
-                          max_queued_per_student=8)
+    config = BrokerConfig(max_worker_credit=100, max_slots_per_medium=16, max_stride_bytes=1 << 20)
     assert limits.worker_credit(config, 2**62) == 100
     assert limits.worker_batch(2**62) == MAX_WORK_ITEMS and limits.worker_batch(0) == 1
     limits.check_request(config, 4160, [[15, 1]])
     for stride, slots, match in [(64, [[0, 1]], "no room after"), (1 << 21, [[0, 1]], "max_stride_bytes"),
-                                 (4160, [[16, 1]], "max_slots_per_medium"),
-                                 (4160, [[i, i] for i in range(9)], "max_queued_per_student")]:
+                                 (4160, [[16, 1]], "max_slots_per_medium")]:
         with pytest.raises(ProtocolError, match=match):
             limits.check_request(config, stride, slots)
     with pytest.raises(ProtocolError, match="max_model_cfg_bytes"):
