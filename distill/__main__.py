@@ -1,67 +1,37 @@
-"""``python -m distill mode=<mode>``: one entry point, one function per mode."""
+"""``python -m distill mode=<mode>``: one entry point, one function per mode.
+
+``MODES`` maps each mode to the module and function that run it. The modules are
+imported when their mode is chosen, not here: a broker or ``--help`` must not pay for
+importing torch models (the only imports inside a function in distill, besides the lazy
+top-level ``load_student`` and a hub config read in ``distill.model.location``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 
 import hydra
 from omegaconf import DictConfig
 
 from distill.config import register_configs
 
-
-def _broker(cfg: DictConfig) -> None:
-    from distill.service import run_broker
-
-    run_broker(cfg)
-
-
-def _worker(cfg: DictConfig) -> None:
-    from distill.teacher_worker import run_worker
-
-    run_worker(cfg)
-
-
-def _student(cfg: DictConfig) -> None:
-    from distill.student import run_student
-
-    run_student(cfg)
-
-
-def _local(cfg: DictConfig) -> None:
-    from distill.local import run_local
-
-    run_local(cfg)
-
-
-def _stats(cfg: DictConfig) -> None:
-    from distill.service import run_stats
-
-    run_stats(cfg)
-
-
-def _keys(cfg: DictConfig) -> None:
-    from distill.keys import run_keys
-
-    run_keys(cfg)
-
-
-MODES: dict[str, Callable[[DictConfig], None]] = {
-    "broker": _broker,
-    "worker": _worker,
-    "student": _student,
-    "local": _local,
-    "stats": _stats,
-    "keys": _keys,
+MODES: dict[str, tuple[str, str]] = {
+    "broker": ("distill.modes.broker", "run_broker"),
+    "worker": ("distill.modes.worker", "run_worker"),
+    "student": ("distill.modes.student", "run_student"),
+    "local": ("distill.modes.local", "run_local"),
+    "stats": ("distill.modes.stats", "run_stats"),
+    "keys": ("distill.modes.keys", "run_keys"),
 }
+"""mode -> (module, entry point); a test keeps it equal to the files of ``conf/mode/``."""
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from distill.checks import check_config
-
-    check_config(cfg)
-    MODES[cfg.mode](cfg)
+    checks = importlib.import_module("distill.modes.checks")
+    checks.check_config(cfg)
+    module, function = MODES[cfg.mode]
+    getattr(importlib.import_module(module), function)(cfg)
 
 
 def cli() -> None:

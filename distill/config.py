@@ -2,14 +2,22 @@
 
 YAML option files in ``conf/<group>/`` sit on top of these schemas (each option
 file names its schema in its defaults list), so a typo in a key fails at compose
-time with Hydra's own message naming the key. :func:`check_config` adds the checks
-a schema cannot express (a teacher path that does not exist, a layer out of
+time with Hydra's own message naming the key. Every choice is an enum declared
+here and nowhere else: OmegaConf refuses any other value at compose time, naming
+the key and the values it accepts, and the modules that act on a choice import
+its enum instead of keeping a list of their own. ``distill.modes.checks`` adds the
+checks a schema cannot express (a teacher path that does not exist, a layer out of
 range, ...), each naming the key and the fix.
+
+The enums are ``StrEnum``: a member equals its string (``Loss.nmse == "nmse"``) and
+serialises as it, so the config files, checkpoint fingerprints and ``result.json``
+read as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +27,75 @@ from omegaconf import MISSING
 CONF_DIR = Path(__file__).parent / "conf"
 
 
+class Mode(StrEnum):
+    """What a process does (``mode=``); ``distill.__main__.MODES`` maps each to its entry point."""
+
+    broker = "broker"
+    worker = "worker"
+    student = "student"
+    local = "local"
+    stats = "stats"
+    keys = "keys"
+
+
+class Dtype(StrEnum):
+    """Teacher weights and streamed targets (``teacher.dtype``); replacements train in float32."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Family(StrEnum):
+    """The offline demo teacher built from a config (``teacher.tiny.family``)."""
+
+    llama = "llama"
+    bert = "bert"
+
+
+class Source(StrEnum):
+    """Where the documents come from (``data.source``)."""
+
+    pydoc = "pydoc"
+    text = "text"
+    hf_dataset = "hf_dataset"
+
+
+class MediumKind(StrEnum):
+    """How samples reach a student (``pipeline.medium``)."""
+
+    shm = "shm"
+    tcp = "tcp"
+
+
+class Loss(StrEnum):
+    """Layer-stage loss (``student.loss``): nmse = MSE(s, t) / MSE(t, 0); cosine = 1 - cos(s, t)."""
+
+    nmse = "nmse"
+    cosine = "cosine"
+
+
+class Inputs(StrEnum):
+    """What a replacement is fed while it trains (``student.inputs``, see distill.train.closed_loop)."""
+
+    teacher = "teacher"
+    student = "student"
+    mix = "mix"
+
+
+class Trainable(StrEnum):
+    """What the end-to-end stage trains (``student.e2e.trainable``, see distill.train.e2e)."""
+
+    replacements = "replacements"
+    lora = "lora"
+    all = "all"
+
+
 @dataclass
 class TinyConfig:
     """Size of the offline demo teacher built from a config (used when name_or_path is null)."""
 
-    family: str = "llama"
+    family: Family = Family.llama
     """``llama`` (pre-trained briefly on the offline corpus, cached) or ``bert`` (random init)."""
     hidden_size: int = 128
     num_layers: int = 4
@@ -37,7 +109,7 @@ class TinyConfig:
 class TeacherConfig:
     name_or_path: str | None = None
     """A local HF model directory or a hub name; null builds the tiny offline teacher."""
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.float32
     """Teacher weights and streamed targets: float32, bfloat16 or float16."""
     tiny: TinyConfig = field(default_factory=TinyConfig)
     cache_dir: str | None = None
@@ -46,7 +118,7 @@ class TeacherConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "pydoc"
+    source: Source = Source.pydoc
     """pydoc (offline, ships with Python), text (local files), hf_dataset (``datasets``)."""
     path: str | None = None
     """For source=text: a glob such as '/corpus/*.txt'."""
@@ -63,7 +135,8 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    medium: str = "shm"
+    medium: MediumKind = MediumKind.shm
+    """shm: shared memory on one machine; tcp: the network medium (students on other machines)."""
     socket_dir: str | None = None
     """Directory of the ipc sockets; null = $XDG_RUNTIME_DIR/distill or /tmp/distill-<uid>."""
     slot_count: int = 32
@@ -84,10 +157,10 @@ class PipelineConfig:
     """medium=tcp, workers: write straight into the shared memory of students on this machine."""
     notices: bool = True
     """medium=shm: workers tell students on their machine about filled slots through a Unix
-    datagram socket, not through the broker (shorter round trip; see the README, "Transport")."""
+    datagram socket, not through the broker (shorter round trip; see docs/pipeline.md, "Notices")."""
     direct_requests: bool = True
     """With notices: a student asks the local worker that filled a slot to fill it again
-    straight through that worker's Unix datagram socket, past the broker (README, "Transport")."""
+    straight through that worker's Unix datagram socket, past the broker (docs/pipeline.md, "Direct requests")."""
     max_queued: int = 1_000_000
     """Broker: slots queued over all runs; REQUESTs past it are refused."""
     max_queued_per_student: int = 8_192
@@ -129,7 +202,7 @@ class E2EConfig:
 
     steps: int = 0
     """Optimizer steps of the end-to-end stage; 0 = no such stage (the default)."""
-    trainable: str = "replacements"
+    trainable: Trainable = Trainable.replacements
     """``replacements`` (their parameters), ``lora`` (low-rank adapters on their linear maps,
     merged back at the end) or ``all`` (every parameter of the student, teacher parts too)."""
     top_k: int = 32
@@ -160,7 +233,7 @@ class StudentConfig:
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    loss: str = "nmse"
+    loss: Loss = Loss.nmse
     """nmse = MSE(s, t) / MSE(t, 0) in fp32; cosine = 1 - cos(s, t)."""
     val_every_steps: int = 0
     """Validate every N steps (0 = only at the end of each stage)."""
@@ -177,7 +250,7 @@ class StudentConfig:
     0 gathers each batch between steps."""
     log_every_steps: int = 5
     seed: int = 0
-    inputs: str = "teacher"
+    inputs: Inputs = Inputs.teacher
     """What each replacement is fed while it trains: ``teacher`` (the teacher's own input of
     its layer), ``student`` (closed loop: the output of the already-trained replacements
     0..l-1, run from the teacher's embeddings, so it learns to correct their errors) or
@@ -205,7 +278,7 @@ class LocalConfig:
 
 @dataclass
 class Config:
-    mode: str = MISSING
+    mode: Mode = MISSING
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     replacement: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)

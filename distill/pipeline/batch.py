@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -100,8 +101,6 @@ class BatchConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> BatchConfig:
         """From a YAML file holding ``specs:`` at the top or under ``batch_config:``."""
-        import yaml
-
         data = yaml.safe_load(Path(path).read_text())
         if isinstance(data, dict) and "batch_config" in data:
             data = data["batch_config"]

@@ -26,7 +26,7 @@ Two modes:
 
 ``pin_memory=True`` (CUDA only; with ``batch_size=B``, in the training process)
 gathers every batch straight into page-locked memory, so the host-to-device copy
-can be ``non_blocking`` and overlap compute (``distill.transfer.DevicePrefetcher``)
+can be ``non_blocking`` and overlap compute (``distill.train.transfer.DevicePrefetcher`` in the application)
 without the extra copy a DataLoader's pin-memory thread makes. Fresh pinned batches
 come from torch's caching host allocator, which reuses a block only once the copies
 reading it have finished; that is why it cannot be combined with ``reuse_batches``.

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from distill.teacher import Teacher
+    from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

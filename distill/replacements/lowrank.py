@@ -21,7 +21,7 @@ from torch import nn
 from distill.replacements import TeacherHandle, copy_teacher_layer, linear_flops_per_token
 
 if TYPE_CHECKING:
-    from distill.teacher import Teacher
+    from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from distill.replacements import check_layer_idx, linear_flops_per_token
 
 if TYPE_CHECKING:
-    from distill.teacher import Teacher
+    from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from distill.replacements import TeacherHandle, check_layer_idx, linear_flops_per_token
 
 if TYPE_CHECKING:
-    from distill.teacher import Teacher
+    from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

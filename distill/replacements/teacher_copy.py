@@ -18,7 +18,7 @@ from torch import nn
 from distill.replacements import TeacherHandle, copy_teacher_layer
 
 if TYPE_CHECKING:
-    from distill.teacher import Teacher
+    from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
 def _check_data_supply_and_time_split(run: Path, log: str) -> None:
     """Each stage reports how well the teachers fed it (and says so when they did not);
     the run's wall time is split into teacher, transport, student compute and waiting."""
-    from distill.student import STARVED_FRACTION
+    from distill.train.trainer import STARVED_FRACTION
 
     stage_ends = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                   if json.loads(line)["event"] == "stage_end"]

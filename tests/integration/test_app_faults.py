@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from distill.modes.stats import fetch_stats
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.mediums.shm import list_segments, sweep_orphans
-from distill.service import fetch_stats
 
 LAYERS = 2
 TEACHER = {"hidden_size": 32, "num_layers": LAYERS, "num_heads": 2, "vocab_size": 300, "train_steps": 2}
@@ -40,7 +40,7 @@ RUN_TIMEOUT_S = 180
 @pytest.fixture(scope="module")
 def teacher_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny teacher, built once here so that no child process waits on its training."""
-    from distill.tiny import tiny_teacher_dir
+    from distill.model.tiny import tiny_teacher_dir
 
     cache = tmp_path_factory.mktemp("teacher")
     tiny_teacher_dir(str(cache), seq_len=SEQ_LEN, **TEACHER)

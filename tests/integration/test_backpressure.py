@@ -12,11 +12,11 @@ import pytest
 import torch
 import zmq
 
+from distill.modes.stats import fetch_stats
 from distill.pipeline import StudentClient, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.slot import slot_stride
-from distill.service import fetch_stats
 from tests import peers
 from tests.procfs import rss_bytes
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distill.pipeline import Broker, DistillIterableDataset, SlotTarget, StudentClient, Worker
-from distill.transfer import DevicePrefetcher
+from distill.train.transfer import DevicePrefetcher
 from tests import peers
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

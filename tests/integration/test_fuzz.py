@@ -26,12 +26,12 @@ import pytest
 import torch
 import zmq
 
+from distill.modes.stats import fetch_stats
 from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.notices import lane_path
 from distill.pipeline.protocol import PROTOCOL_TAG, Command, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
-from distill.service import fetch_stats
 from tests import peers
 from tests.hostile import deep_map, raw_body, request, set_model
 from tests.mutants import Mutator, Targets

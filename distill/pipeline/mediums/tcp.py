@@ -28,6 +28,7 @@ cluster").
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -87,8 +88,6 @@ def host_id() -> str:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip().replace("-", "")[:32]
     except OSError:
-        import hashlib
-
         return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:32]
 
 

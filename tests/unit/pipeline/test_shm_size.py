@@ -1,4 +1,4 @@
-"""A student's shared memory is exactly ``slot_count x slot stride`` (the README's sizing formula).
+"""A student's shared memory is exactly ``slot_count x slot stride`` (the sizing formula of docs/pipeline.md).
 
 Measured from the outside: the segments this process created in /dev/shm, their
 size and the blocks tmpfs actually allocated for them (``posix_fallocate``
@@ -15,7 +15,7 @@ from distill.pipeline import BatchConfig, TensorSpec
 from distill.pipeline.client import SlotPool
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
 from distill.pipeline.slot import HEADER_BYTES, SLOT_ALIGN, slot_stride
-from distill.stages import sample_batch_config
+from distill.train.stages import sample_batch_config
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -31,13 +31,13 @@ from transformers import (
 )
 
 import distill
+from distill.model.teacher import Teacher
 from distill.replacements import Replacement, count_params, describe
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.lowrank import LowRankLayer, LowRankLinear
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
 from distill.replacements.teacher_copy import TeacherCopy
-from distill.teacher import Teacher
 
 FAMILIES = ("llama", "qwen2", "bert")
 BATCH, SEQ_LEN, HIDDEN = 2, 10, 64

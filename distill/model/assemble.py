@@ -1,0 +1,339 @@
+"""The student as an ordinary HF model: replacements spliced into a copy of the teacher.
+
+Training keeps replacements outside the teacher (each maps hidden_BTD -> hidden_BTD and
+computes its own causal mask and rotary). To use or ship the result we put each one
+where its teacher layer was, inside a deep copy of the teacher model, so that the
+model's own `forward()` and `generate()` run it. This module owns that splice and the
+on-disk format of a student:
+
+    out_dir/
+        config.json, generation_config.json   the teacher's (use_cache=False)
+        tokenizer files                        when a tokenizer is given
+        model.safetensors                      state_dict of the whole spliced model
+        distill_student.json                   {"format": 1, "family", "teacher_source",
+                                                "layers": {"<l>": replacement Hydra cfg}}
+
+and `load_student`, which rebuilds exactly that model from the directory alone.
+
+Replacements keep no KV cache, so a spliced model runs with `use_cache=False`: every
+`generate()` step re-runs the whole sequence (quadratic in its length). Like the
+teacher, replacements assume unpadded sequences at positions 0..T-1; padding masks and
+`position_ids` given to the model are not seen by spliced layers.
+
+Shape legend: B batch, T sequence length, D hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from typing import Any
+
+import hydra.utils
+import safetensors.torch
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from distill.model.teacher import TORCH_DTYPES, Teacher, model_class, parse_dtype
+
+try:  # how transformers 5.x collects output_hidden_states; see _record_hidden_states
+    from transformers.utils.output_capturing import (
+        _active_collector,
+        install_output_capuring_hook,
+    )
+except ImportError:  # pragma: no cover - other transformers versions
+    _active_collector = install_output_capuring_hook = None
+
+log = logging.getLogger(__name__)
+
+STUDENT_FORMAT = 1
+"""Version of `distill_student.json`; bump when the directory layout changes."""
+
+STUDENT_FILE = "distill_student.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class SplicedLayer(nn.Module):
+    """A replacement sitting where an HF decoder/encoder layer was.
+
+    Accepts whatever the model's layer loop passes (`hidden_states` first, then masks,
+    `position_embeddings`, `cache`, ...) and ignores all but `hidden_states`, because a
+    replacement builds its own causal mask and rotary embeddings. In transformers 5.x
+    both `LlamaModel` and `BertEncoder` take a plain tensor back from each layer, so
+    that is what this returns.
+    """
+
+    def __init__(self, replacement: nn.Module) -> None:
+        super().__init__()
+        self.replacement = replacement
+        self.layer_idx = getattr(replacement, "layer_idx", None)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """replacement(hidden_states); refuses a KV cache, which it could not keep up."""
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError(
+                f"A KV cache reached spliced layer {self.layer_idx}, but replacements keep none "
+                "and would see only the new tokens. Call the student with `use_cache=False` "
+                "(its config already defaults to it)."
+            )
+        if _active_collector is None:
+            return self.replacement(hidden_states)
+        token = _active_collector.set(None)  # inner HF layers must not record outputs
+        try:
+            return self.replacement(hidden_states)
+        finally:
+            _active_collector.reset(token)
+
+
+# ---------------------------------------------------------------------- splice
+
+
+def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers.PreTrainedModel:
+    """A deep copy of `teacher.model` with layer l replaced by `replacements[l]`.
+
+    The teacher model is left untouched (it keeps producing targets); the replacement
+    modules themselves are not copied, so the result shares their weights and sees
+    further training. The copy gets `use_cache=False` in its config and generation
+    config because replacements keep no KV cache (see the module docstring).
+    Replacements that call `teacher.run_layer` (TeacherCopy, PrunedLayer, LowRankLayer)
+    take rotary embeddings and masks from the teacher, so keep the result on the
+    teacher's device; `load_student` builds a self-contained model instead.
+    """
+    teacher.check_layer_idxs(list(replacements))
+    # Map the teacher layers about to be replaced to themselves: they are never copied.
+    memo = {id(teacher.layers[idx]): teacher.layers[idx] for idx in replacements}
+    model = copy.deepcopy(teacher.model, memo)
+    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    return model
+
+
+def _splice_in_place(
+    model: transformers.PreTrainedModel, layers_name: str, replacements: dict[int, nn.Module]
+) -> None:
+    """Put a SplicedLayer at each replaced index of `model`'s layer list; turn the cache off."""
+    layers = model.get_submodule(layers_name)
+    for idx, replacement in sorted(replacements.items()):
+        spliced = SplicedLayer(replacement)
+        _record_hidden_states(spliced)
+        layers[idx] = spliced
+    model.config.use_cache = False
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = False
+
+
+def _layer_list_name(teacher: Teacher) -> str:
+    """Dotted name of the teacher's layer ModuleList inside `teacher.model`.
+
+    Found by identity, so the family's layout stays decided in `distill.model.teacher` alone.
+    """
+    for name, module in teacher.model.named_modules():
+        if module is teacher.layers:
+            return name
+    raise AssertionError("teacher.layers is not a submodule of teacher.model")
+
+
+def _record_hidden_states(spliced: SplicedLayer) -> None:
+    """Make `output_hidden_states=True` count the spliced layer like the layer it replaced.
+
+    transformers collects hidden states with hooks on modules of the layer class
+    (`_can_record_outputs`), which a SplicedLayer is not; without this its output would
+    be silently missing and every later index shifted. The hook is inert unless hidden
+    states are requested.
+    """
+    if install_output_capuring_hook is None:
+        log.warning("this transformers cannot record spliced layers in output_hidden_states")
+        return
+    install_output_capuring_hook(spliced, "hidden_states", index=0)
+
+
+# ---------------------------------------------------------------------- export
+
+
+def export_student(
+    teacher: Teacher,
+    teacher_source: str,
+    replacements: dict[int, nn.Module],
+    replacement_cfgs: dict[int, dict | DictConfig],
+    out_dir: str,
+    tokenizer: Any = None,
+) -> str:
+    """Write the spliced student to `out_dir` (layout in the module docstring); returns it.
+
+    `replacement_cfgs[l]` is the Hydra config that built `replacements[l]` (with
+    `_target_` and `_partial_`), stored as a plain dict so `load_student` can rebuild the
+    same architecture before loading the weights.
+    """
+    _check_cfgs(replacements, replacement_cfgs)
+    os.makedirs(out_dir, exist_ok=True)
+    model = splice(teacher, replacements)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = teacher.dtype
+    model.config.save_pretrained(out_dir)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    # save_model drops all but one name of tensors shared in memory (tied embeddings).
+    safetensors.torch.save_model(
+        model, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"}
+    )
+    manifest = {
+        "format": STUDENT_FORMAT,
+        "family": teacher.family,
+        "teacher_source": teacher_source,
+        "layers": {str(idx): _plain_cfg(cfg) for idx, cfg in sorted(replacement_cfgs.items())},
+    }
+    with open(os.path.join(out_dir, STUDENT_FILE), "w") as f:
+        json.dump(manifest, f, indent=2)
+    log.info("student with %d replaced layers written to %s", len(replacements), out_dir)
+    return out_dir
+
+
+def _check_cfgs(replacements: dict[int, nn.Module], replacement_cfgs: dict[int, Any]) -> None:
+    """Every replacement needs the config that rebuilds it, and nothing else."""
+    if set(replacements) != set(replacement_cfgs):
+        raise ValueError(
+            f"export_student got replacements for layers {sorted(replacements)} but configs for "
+            f"{sorted(replacement_cfgs)}; pass one `replacement_cfgs[l]` per replaced layer."
+        )
+    for idx, cfg in replacement_cfgs.items():
+        if "_target_" not in cfg:
+            raise ValueError(
+                f"replacement_cfgs[{idx}] has no `_target_`; pass the Hydra `replacement` config "
+                "that built the module (e.g. from conf/replacement/*.yaml)."
+            )
+
+
+def _plain_cfg(cfg: dict | DictConfig) -> dict:
+    """A JSON-ready dict of a (possibly OmegaConf) replacement config, interpolations resolved."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return copy.deepcopy(dict(cfg))
+
+
+# ---------------------------------------------------------------------- load
+
+
+def load_student(
+    path: str, device: str = "cpu", dtype: str | None = None
+) -> transformers.PreTrainedModel:
+    """Rebuild a student written by `export_student`, ready for `forward()` and `generate()`.
+
+        from distill import load_student
+        model = load_student("outputs/.../student")
+
+    Builds the architecture from config.json, wraps it in a `Teacher`, instantiates each
+    replacement from its saved config, splices them in place and loads model.safetensors
+    strictly. `dtype` ("float32", "bfloat16", "float16") defaults to the saved one. The
+    model comes back in eval mode with gradients off, like the teacher it was made from.
+    """
+    manifest = _read_manifest(path)
+    model = _build_from_config(path, manifest["family"], dtype)
+    state = safetensors.torch.load_file(os.path.join(path, WEIGHTS_FILE))  # mmap on CPU
+    # Teacher parts first, so replacements initialise from the real embeddings and rotary.
+    own_keys = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in state.items() if k in own_keys}, strict=False)
+    teacher = Teacher(model, device=device)
+    replacements = _build_replacements(teacher, manifest["layers"])
+    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    _load_strict(model, state, path)
+    model.eval().requires_grad_(False)
+    log.info("loaded student from %s: layers %s replaced", path, sorted(replacements))
+    return model
+
+
+def _build_replacements(teacher: Teacher, layer_cfgs: dict[str, dict]) -> dict[int, nn.Module]:
+    """Each saved replacement config, instantiated for its layer as the trainer did.
+
+    Built while `teacher.layers` still holds the original layers, which some replacements
+    read at construction (PrunedLayer's layout, copies of the layer's modules).
+    """
+    replacements = {}
+    for idx, cfg in layer_cfgs.items():
+        build = hydra.utils.instantiate({**cfg, "_partial_": True})
+        replacements[int(idx)] = build(teacher=teacher, layer_idx=int(idx))
+    return replacements
+
+
+def _read_manifest(path: str) -> dict:
+    """distill_student.json of `path`, checked for a format this code can read."""
+    manifest_path = os.path.join(path, STUDENT_FILE)
+    if not os.path.isfile(manifest_path):
+        raise ValueError(
+            f"{path!r} has no {STUDENT_FILE}: it is not a student directory. Pass the directory "
+            "written by distill.model.assemble.export_student (a run's `student/`)."
+        )
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != STUDENT_FORMAT:
+        raise ValueError(
+            f"{manifest_path} has format {manifest.get('format')!r}; this distill reads format "
+            f"{STUDENT_FORMAT}. Re-export the student or use the distill version that wrote it."
+        )
+    return manifest
+
+
+def _build_from_config(path: str, family: str, dtype: str | None) -> transformers.PreTrainedModel:
+    """The teacher's architecture with fresh weights, in the requested or saved dtype."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    torch_dtype = _student_dtype(dtype, config)
+    model_cls = model_class(config, family)
+    if issubclass(model_cls, transformers.PreTrainedModel):
+        model = model_cls._from_config(config, dtype=torch_dtype)
+    else:  # an Auto class
+        model = model_cls.from_config(config, dtype=torch_dtype)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    return model
+
+
+def _student_dtype(dtype: str | None, config: transformers.PretrainedConfig) -> torch.dtype:
+    """`dtype` by name, else the dtype recorded in config.json at export (float32 if none)."""
+    if dtype is not None:
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(
+                f"load_student(dtype={dtype!r}) is not supported; choose one of {[d.value for d in TORCH_DTYPES]} "
+                "or None for the dtype the student was saved in."
+            )
+        return parse_dtype(dtype)
+    saved = getattr(config, "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    return saved if isinstance(saved, torch.dtype) else torch.float32
+
+
+def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    """`load_state_dict(strict=True)`, except that a name tied to a saved one may be absent.
+
+    `safetensors.torch.save_model` keeps one name per shared tensor (e.g. embed_tokens
+    for a tied lm_head); the other names alias the same Parameter, so they load with it.
+    """
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a tensor of another shape
+        raise _mismatch(path, str(err)) from err
+    aliased = _names_sharing_a_tensor_with(model, set(state))
+    missing = [name for name in missing if name not in aliased]
+    if missing or unexpected:
+        raise _mismatch(path, f"missing {missing[:8]}, unexpected {list(unexpected)[:8]}")
+
+
+def _mismatch(path: str, detail: str) -> ValueError:
+    return ValueError(
+        f"{os.path.join(path, WEIGHTS_FILE)} does not match the model rebuilt from "
+        f"{STUDENT_FILE}: {detail}. The replacement code or its options changed since export; "
+        "load it with the distill version that wrote it, or re-export."
+    )
+
+
+def _names_sharing_a_tensor_with(model: nn.Module, names: set[str]) -> set[str]:
+    """State-dict names whose tensor is the very object of one of `names`."""
+    tensors = model.state_dict(keep_vars=True)
+    present = {id(tensors[name]) for name in names if name in tensors}
+    return {name for name, tensor in tensors.items() if id(tensor) in present}

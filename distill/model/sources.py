@@ -1,0 +1,57 @@
+"""Where the teacher, its tokenizer and the token chunks come from, as configured.
+
+Workers and students call the same functions with the same config, so they agree on
+the teacher, the tokenizer and the train/held-out split without talking.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from distill.config import Family
+from distill.model.data import TokenChunks, build_chunks, load_documents
+from distill.model.teacher import Teacher
+from distill.model.tiny import tiny_bert_dir, tiny_teacher_dir
+
+log = logging.getLogger(__name__)
+
+
+def teacher_source(cfg: DictConfig) -> str:
+    """The directory or hub name of the teacher, building the tiny one on first use."""
+    if cfg.teacher.name_or_path:
+        return str(cfg.teacher.name_or_path)
+    tiny = cfg.teacher.tiny
+    shape = {"hidden_size": tiny.hidden_size, "num_layers": tiny.num_layers, "num_heads": tiny.num_heads,
+             "seq_len": cfg.data.seq_len, "vocab_size": tiny.vocab_size}
+    if tiny.family == Family.bert:
+        return tiny_bert_dir(cfg.teacher.cache_dir, **shape)
+    steps = {"train_steps": tiny.train_steps} if tiny.train_steps is not None else {}
+    return tiny_teacher_dir(cfg.teacher.cache_dir, **shape, **steps)
+
+
+def load_teacher(cfg: DictConfig, device: str | torch.device = "cpu") -> Teacher:
+    return Teacher.from_pretrained(teacher_source(cfg), dtype=cfg.teacher.dtype, device=str(device))
+
+
+def load_tokenizer(cfg: DictConfig):
+    source = teacher_source(cfg)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no tokenizer found with teacher.name_or_path={source!r} ({exc}); "
+                         "point it at a model directory that has tokenizer files") from None
+
+
+def load_chunks(cfg: DictConfig, tokenizer=None) -> TokenChunks:
+    """Train and held-out token chunks (identical in every process and every run)."""
+    data = cfg.data
+    docs = load_documents(data.source, path=data.path, dataset_name=data.dataset_name,
+                          dataset_config=data.dataset_config, split=data.split,
+                          text_field=data.text_field, max_documents=data.max_documents)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    return build_chunks(tokenizer, docs, data.seq_len, data.heldout_fraction, data.seed,
+                        max_heldout_chunks=data.max_heldout_chunks)

@@ -1,0 +1,339 @@
+"""The frozen HuggingFace teacher, run one layer at a time.
+
+Layer-by-layer distillation needs three things from the teacher: the hidden states
+entering and leaving chosen layers (`capture`), a way to call a layer, or a trainable
+copy of it, exactly as the full model would (`run_layer`), and the parts around the
+layer stack (`embed`, `final_hidden`, `final_logits`). Everything assumes fixed-length,
+unpadded chunks (see `distill.model.data`), so positions are always 0..T-1 and the only
+mask is the causal one.
+
+Two families are supported:
+    "llama": decoder LLMs whose base model has `.layers` and `.rotary_emb`
+             (Llama, Qwen2, Mistral, ...). Layers take `position_embeddings=(cos, sin)`
+             and the mask the model itself would build.
+    "bert":  encoders whose base model has `.embeddings` and `.encoder.layer`.
+             Position information is added by the embeddings; layers get no mask.
+
+Shape legend:
+    B: batch size
+    T: sequence length (tokens per chunk)
+    D: hidden size
+    V: vocabulary size
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import transformers
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from distill.config import Dtype
+from distill.model.location import check_exists
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "bert")
+
+TORCH_DTYPES: dict[Dtype, torch.dtype] = {
+    Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16,
+}
+"""The torch dtype of each `teacher.dtype` (the one table; `load_student` uses it too)."""
+
+CAUSAL_LM_FAMILIES = ("llama",)
+"""Families rebuilt with AutoModelForCausalLM when a config names no known class."""
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the last captured layer so that later layers never run."""
+
+
+class Teacher:
+    """A frozen HF model plus what is needed to run its layers one at a time."""
+
+    def __init__(self, model: transformers.PreTrainedModel, device: str | torch.device = "cpu"):
+        """Detect the family, move the model to `device` and freeze it (eval, no grads)."""
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self._base = model.base_model
+        self.family = _detect_family(self._base)
+        config = model.config
+        self.causal = _is_causal(self.family, config)
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(config.hidden_size)
+        self.dtype = next(model.parameters()).dtype
+        self.name_or_path = getattr(config, "_name_or_path", "") or type(model).__name__
+        log.info(
+            "teacher %s: family=%s layers=%d hidden=%d dtype=%s device=%s attn=%s",
+            self.name_or_path, self.family, self.num_layers, self.hidden_size, self.dtype,
+            self.device, getattr(config, "_attn_implementation", None),
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        attn_implementation: str | None = None,
+    ) -> Teacher:
+        """Load a local checkpoint directory or a hub name (hub names need network).
+
+        The class named in the checkpoint's `architectures` is used, so a saved
+        `LlamaForCausalLM` keeps its lm_head; without it the bare model is loaded.
+        """
+        torch_dtype = parse_dtype(dtype)
+        path = check_exists(name_or_path)
+        model_cls = model_class(_load_config(path))
+        kwargs = {"dtype": torch_dtype}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        model = model_cls.from_pretrained(path, **kwargs)
+        return cls(model, device=device)
+
+    # ------------------------------------------------------------------ the stack
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The teacher's own layer modules, in order."""
+        if self.family == "llama":
+            return self._base.layers
+        return self._base.encoder.layer
+
+    def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the tokens: exactly what layer 0 receives (hidden_BTD)."""
+        input_ids_BT = input_ids_BT.to(self.device)
+        if self.family == "llama":
+            return self._base.embed_tokens(input_ids_BT)
+        return self._base.embeddings(input_ids=input_ids_BT)
+
+    def run_layer(self, layer: nn.Module, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Call one HF layer (the teacher's own or a structurally compatible copy) with
+        the arguments the full model passes it for an unpadded chunk at positions 0..T-1.
+
+        Gradients flow through it, so students can train copies of layers here.
+        """
+        output = layer(hidden_BTD, **self.layer_kwargs(hidden_BTD, layer))
+        return output[0] if isinstance(output, tuple) else output
+
+    def layer_kwargs(self, hidden_BTD: torch.Tensor, layer: nn.Module | None = None) -> dict:
+        """Keyword arguments the model gives a layer for an unpadded chunk.
+
+        Decoders get rotary `position_embeddings` from the model's own `rotary_emb` and
+        the mask the model's own masking function builds for its attention
+        implementation. For "sdpa" on an unpadded chunk that mask is `None` and
+        causality comes from the attention module's `is_causal=True` (checked in
+        `_detect_family`); "eager" gets an explicit additive mask.
+        """
+        if self.family == "bert":
+            return {"attention_mask": self._bert_mask(hidden_BTD)}
+        seq_len = hidden_BTD.shape[1]
+        position_ids_1T = torch.arange(seq_len, device=hidden_BTD.device).unsqueeze(0)
+        cos_sin = self._base.rotary_emb(hidden_BTD, position_ids_1T)
+        return {
+            "attention_mask": self._decoder_mask(hidden_BTD, position_ids_1T, layer),
+            "position_embeddings": cos_sin,
+            "position_ids": position_ids_1T,
+        }
+
+    def _decoder_mask(
+        self, hidden_BTD: torch.Tensor, position_ids_1T: torch.Tensor, layer: nn.Module | None
+    ):
+        """The mask the decoder's forward would build for this layer's attention type."""
+        mask_kwargs = {
+            "config": self.model.config,
+            "inputs_embeds": hidden_BTD,
+            "attention_mask": None,
+            "cache": None,
+            "position_ids": position_ids_1T,
+        }
+        if _layer_type(layer) == "sliding_attention":
+            return create_sliding_window_causal_mask(**mask_kwargs)
+        return create_causal_mask(**mask_kwargs)
+
+    def _bert_mask(self, hidden_BTD: torch.Tensor):
+        """No mask for encoders on unpadded chunks; BERT configured as a decoder is causal."""
+        if not self.causal:
+            return None
+        return create_causal_mask(
+            config=self.model.config, inputs_embeds=hidden_BTD, attention_mask=None, cache=None
+        )
+
+    @torch.no_grad()
+    def capture(
+        self, input_ids_BT: torch.Tensor, layer_idxs: list[int]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{l: (input_BTD, output_BTD)} of each layer in `layer_idxs`, for one batch.
+
+        Runs the model's own forward with hooks on the layer modules and stops it right
+        after layer max(layer_idxs), so the cost is that of max(layer_idxs)+1 layers.
+        The tensors are detached and stay on the teacher's device, in its dtype.
+        """
+        if not layer_idxs:
+            return {}
+        self.check_layer_idxs(layer_idxs)
+        last_idx = max(layer_idxs)
+        captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        handles = [
+            self.layers[idx].register_forward_hook(
+                _capture_hook(idx, captured, stop=idx == last_idx), with_kwargs=True
+            )
+            for idx in sorted(set(layer_idxs))
+        ]
+        try:
+            self._base(input_ids=input_ids_BT.to(self.device), use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert set(captured) == set(layer_idxs), "a captured layer did not run"
+        return captured
+
+    def check_layer_idxs(self, layer_idxs: list[int]) -> None:
+        """Reject layer indices outside 0..num_layers-1 (negative ones are ambiguous here)."""
+        bad = [idx for idx in layer_idxs if not 0 <= idx < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"Layer indices {bad} are out of range: the teacher has layers 0..{self.num_layers - 1}."
+            )
+
+    # ------------------------------------------------------------------ after the stack
+
+    def final_hidden(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """The model's last_hidden_state given the last layer's output: the final norm
+        for decoders, the identity for BERT (whose layers end in their own LayerNorm)."""
+        if self.family == "llama":
+            return self._base.norm(hidden_BTD)
+        return hidden_BTD
+
+    def final_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Next-token logits_BTV from the last layer's output: final norm then lm_head."""
+        if self.family != "llama":
+            raise ValueError(
+                f"final_logits needs a causal LM teacher; `teacher.name_or_path={self.name_or_path}` "
+                f"is a {self.family} encoder. Use final_hidden instead."
+            )
+        lm_head = self.model.get_output_embeddings()
+        if lm_head is None:
+            raise ValueError(
+                f"`teacher.name_or_path={self.name_or_path}` loaded without an lm_head "
+                f"({type(self.model).__name__}). Save it as a *ForCausalLM checkpoint."
+            )
+        return lm_head(self.final_hidden(hidden_BTD))
+
+    # ------------------------------------------------------------------ cost
+
+    def layer_flops_per_token(self, seq_len: int) -> int:
+        """Approximate forward FLOPs per token of one teacher layer at context `seq_len`.
+
+        2 FLOPs per weight of every matmul (nn.Linear) in the layer, plus attention
+        scores and weighted sum, 2 * 2 * seq_len * (heads * head_dim), counted over the
+        full T x T (no causal halving, the convention of Kaplan et al. 2020). Replacements
+        should count their own cost the same way so that the ratio is meaningful.
+        """
+        layer = self.layers[0]
+        matmul_weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+        return 2 * matmul_weights + 4 * seq_len * self._attention_width()
+
+    def _attention_width(self) -> int:
+        """heads * head_dim: the width of queries and keys that scale with context."""
+        config = self.model.config
+        num_heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or self.hidden_size // num_heads
+        return num_heads * int(head_dim)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _capture_hook(idx: int, captured: dict, stop: bool):
+    """A forward hook (with kwargs) storing (input, output) of layer `idx`."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        input_BTD = args[0] if args else kwargs["hidden_states"]
+        output_BTD = output[0] if isinstance(output, tuple) else output
+        captured[idx] = (input_BTD.detach(), output_BTD.detach())
+        if stop:
+            raise _StopForward
+
+    return hook
+
+
+def _detect_family(base: nn.Module) -> str:
+    """The family ("llama" or "bert") from the base model's structure, not its class name."""
+    if isinstance(getattr(base, "layers", None), nn.ModuleList) and hasattr(base, "rotary_emb"):
+        _check_decoder_attention(base.layers)
+        return "llama"
+    encoder = getattr(base, "encoder", None)
+    if isinstance(getattr(encoder, "layer", None), nn.ModuleList) and hasattr(base, "embeddings"):
+        return "bert"
+    raise ValueError(
+        f"Unsupported teacher architecture {type(base).__name__}: expected a decoder with "
+        "`.layers` and `.rotary_emb` (Llama, Qwen2, Mistral) or an encoder with "
+        "`.encoder.layer` (BERT). Choose another `teacher.name_or_path`."
+    )
+
+
+def _check_decoder_attention(layers: nn.ModuleList) -> None:
+    """Causality relies on `is_causal` when sdpa gets no mask; make sure it is set."""
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and getattr(attention, "is_causal", True) is not True:
+            raise ValueError(
+                f"{type(attention).__name__}.is_causal is not True: this decoder would not be "
+                "causal on unmasked chunks. Choose another `teacher.name_or_path`."
+            )
+
+
+def _is_causal(family: str, config: transformers.PretrainedConfig) -> bool:
+    """Decoders are causal unless the config says otherwise; BERT only as a decoder."""
+    if family == "llama":
+        return bool(getattr(config, "is_causal", True))
+    return bool(getattr(config, "is_decoder", False))
+
+
+def _layer_type(layer: nn.Module | None) -> str:
+    """The attention type the layer (or its attention) declares; full attention by default."""
+    for owner in (layer, getattr(layer, "self_attn", None)):
+        for attr in ("attention_type", "layer_type"):
+            value = getattr(owner, attr, None)
+            if isinstance(value, str):
+                return value
+    return "full_attention"
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    """torch dtype from its name in the config (``teacher.dtype``, ``load_student(dtype=)``)."""
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"`teacher.dtype={dtype!r}` is not supported. "
+                         f"Choose one of {[d.value for d in TORCH_DTYPES]}.")
+    return TORCH_DTYPES[dtype]
+
+
+def _load_config(path: str) -> transformers.PretrainedConfig:
+    """The checkpoint's config, or a ValueError that says what to pass instead."""
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise ValueError(
+            f"Cannot load `teacher.name_or_path={path!r}` ({err}). Give a local checkpoint "
+            "directory, or a hub name with network access."
+        ) from err
+
+
+def model_class(config: transformers.PretrainedConfig, family: str | None = None) -> type:
+    """The class a checkpoint's config names in `architectures` (so a saved `LlamaForCausalLM`
+    keeps its lm_head and a bare model stays bare); else AutoModelForCausalLM for a causal-LM
+    `family`, else the bare AutoModel. The one architecture -> class lookup of distill."""
+    for name in getattr(config, "architectures", None) or []:
+        model_cls = getattr(transformers, name, None)
+        if model_cls is not None:
+            return model_cls
+    if family in CAUSAL_LM_FAMILIES:
+        return transformers.AutoModelForCausalLM
+    log.warning("the config names no known architecture; loading the bare AutoModel")
+    return transformers.AutoModel

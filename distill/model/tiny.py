@@ -1,0 +1,370 @@
+"""The offline default teacher: a small Llama pre-trained briefly on the pydoc corpus.
+
+With no network there is no hub checkpoint to distill, and a randomly initialised
+teacher would make every distillation metric meaningless. So on first use we train a
+byte-level BPE tokenizer and pre-train a small LlamaForCausalLM on the *train* split
+of the pydoc corpus (the same split the app uses, so held-out numbers stay honest),
+then cache the result as an ordinary `save_pretrained` directory that
+`Teacher.from_pretrained` and `AutoTokenizer.from_pretrained` load offline.
+
+The cache directory is named by a hash of every argument and of `RECIPE_VERSION`;
+it is written to a temporary directory and moved into place with `os.replace`
+under an `fcntl` lock, so concurrent first calls train once and nobody ever reads
+a half-written directory.
+
+Shape legend:
+    B: batch size (chunks per step)
+    T: tokens per chunk
+    N: number of chunks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    BertConfig,
+    BertModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from distill.model.data import (
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_SPLIT_SEED,
+    build_chunks,
+    load_documents,
+    split_documents,
+)
+
+log = logging.getLogger(__name__)
+
+RECIPE_VERSION = 1
+"""Bump when the training recipe changes, so that stale caches are not reused."""
+
+METRICS_FILE = "distill_tiny.json"
+"""Written into the cached directory: arguments, held-out loss before/after, timings."""
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+_NUM_BYTE_TOKENS = 256
+"""The byte-level alphabet every BPE vocabulary starts from."""
+
+_EVAL_CHUNKS = 64
+"""Held-out chunks used to report loss before/after (enough for a stable estimate)."""
+
+_LOG_EVERY_STEPS = 50
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that determines the cached teacher; its hash names the cache dir."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    train_steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    recipe_version: int = RECIPE_VERSION
+
+    def digest(self) -> str:
+        """A short, stable hash of the recipe."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def tiny_teacher_dir(
+    cache_dir: str | None = None,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    seq_len: int = 128,
+    vocab_size: int = 1024,
+    train_steps: int = 1000,
+    batch_size: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> str:
+    """Directory of the pre-trained tiny teacher (model + tokenizer), training it on first use.
+
+    `cache_dir` defaults to $DISTILL_CACHE, else ~/.cache/distill; the teacher lives in
+    its subdirectory tiny-<hash of all arguments>. The defaults pre-train in about a
+    minute on 2 idle CPU cores (1000 steps x 8 chunks x 128 tokens, ~0.06 s a step) to a
+    held-out perplexity near 23 (uniform would be 1024); small batches of many steps
+    gave lower perplexity per second than fewer, larger ones at this size.
+    """
+    recipe = TinyRecipe(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
+        vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
+    )
+    _check_recipe(recipe)
+    root = _cache_root(cache_dir)
+    final_dir = os.path.join(root, f"tiny-{recipe.digest()}")
+    if os.path.isdir(final_dir):
+        return final_dir
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(final_dir + ".lock"):
+        if os.path.isdir(final_dir):  # another process finished while we waited
+            return final_dir
+        _build_atomically(recipe, root, final_dir)
+    return final_dir
+
+
+def tiny_bert_dir(cache_dir: str | None = None, *, hidden_size: int = 128, num_layers: int = 4,
+                  num_heads: int = 4, seq_len: int = 128, vocab_size: int = 1024) -> str:
+    """A small BERT encoder built from a config (random init, seed 0) + a corpus tokenizer, cached
+    under the same root and lock as the tiny Llama."""
+    name = f"tiny-bert-h{hidden_size}-l{num_layers}-a{num_heads}-v{vocab_size}-t{seq_len}"
+    root = _cache_root(cache_dir)
+    final_dir = os.path.join(root, name)
+    if os.path.isdir(final_dir):
+        return final_dir
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(final_dir + ".lock"):
+        if os.path.isdir(final_dir):
+            return final_dir
+        tokenizer = train_tokenizer(load_documents("pydoc"), vocab_size, seq_len)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = BertModel(BertConfig(
+                vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                num_attention_heads=num_heads, intermediate_size=4 * hidden_size,
+                max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0))
+        tmp = final_dir + f".tmp-{os.getpid()}"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, final_dir)
+    return final_dir
+
+
+def _check_recipe(recipe: TinyRecipe) -> None:
+    """Reject arguments that cannot build a teacher, naming the argument and the fix."""
+    min_vocab = _NUM_BYTE_TOKENS + 2
+    if recipe.vocab_size < min_vocab:
+        raise ValueError(
+            f"`vocab_size={recipe.vocab_size}` is too small: a byte-level BPE needs at least "
+            f"{min_vocab} (256 bytes + eos + pad)."
+        )
+    if recipe.hidden_size % recipe.num_heads or (recipe.hidden_size // recipe.num_heads) % 2:
+        raise ValueError(
+            f"`hidden_size={recipe.hidden_size}` must split into `num_heads={recipe.num_heads}` "
+            "heads of even size (rotary embeddings rotate pairs)."
+        )
+    if min(recipe.num_layers, recipe.seq_len, recipe.train_steps, recipe.batch_size) < 1:
+        raise ValueError("`num_layers`, `seq_len`, `train_steps` and `batch_size` must be >= 1.")
+
+
+def _cache_root(cache_dir: str | None) -> str:
+    """`cache_dir`, else $DISTILL_CACHE, else ~/.cache/distill."""
+    root = cache_dir or os.environ.get("DISTILL_CACHE") or "~/.cache/distill"
+    return os.path.abspath(os.path.expanduser(root))
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: str) -> Iterator[None]:
+    """An exclusive `fcntl` lock held for the duration of the block."""
+    with open(lock_path, "a") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", lock_path[: -len(".lock")])
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _build_atomically(recipe: TinyRecipe, root: str, final_dir: str) -> None:
+    """Build into a temporary directory next to `final_dir`, then move it into place."""
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.tmp-", dir=root)
+    try:
+        _build(recipe, tmp_dir)
+        _make_readable(tmp_dir)
+        os.replace(tmp_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    log.info("tiny teacher cached at %s", final_dir)
+
+
+def _make_readable(directory: str) -> None:
+    """mkdtemp (and safetensors) create private files; a shared cache must be readable."""
+    os.chmod(directory, 0o755)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o644)
+
+
+# ---------------------------------------------------------------------- build
+
+
+def _build(recipe: TinyRecipe, out_dir: str) -> None:
+    """Train tokenizer and model, save both and the metrics into `out_dir`."""
+    start_s = time.perf_counter()
+    docs = load_documents("pydoc")
+    train_docs, _ = split_documents(docs, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)
+    tokenizer = train_tokenizer(train_docs, recipe.vocab_size, recipe.seq_len)
+    chunks = build_chunks(
+        tokenizer, docs, recipe.seq_len, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED,
+        max_heldout_chunks=_EVAL_CHUNKS,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        model = LlamaForCausalLM(_model_config(recipe, tokenizer))
+        metrics = _pretrain(model, chunks.train_NT, chunks.heldout_NT, recipe)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    metrics.update(recipe=asdict(recipe), build_s=time.perf_counter() - start_s, pid=os.getpid())
+    with open(os.path.join(out_dir, METRICS_FILE), "w") as f:
+        json.dump(metrics, f, indent=2)
+
+
+def train_tokenizer(docs: list[str], vocab_size: int, seq_len: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style: any text encodes, nothing is <unk>) trained on `docs`."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(docs, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        model_max_length=seq_len,
+    )
+
+
+def _model_config(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    """A Llama of the recipe's size; the MLP is ~8/3 * hidden as in Llama, tied embeddings."""
+    intermediate_size = 16 * math.ceil(8 * recipe.hidden_size / 3 / 16)
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_heads,
+        max_position_embeddings=recipe.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+# ---------------------------------------------------------------------- pre-training
+
+
+def _pretrain(
+    model: LlamaForCausalLM, train_NT: torch.Tensor, heldout_NT: torch.Tensor, recipe: TinyRecipe
+) -> dict:
+    """AdamW with warmup + cosine decay on random train chunks; held-out loss before/after."""
+    loss_before = heldout_loss(model, heldout_NT)
+    log.info(
+        "pre-training tiny teacher: %d steps x %d chunks of %d tokens, %d threads; "
+        "held-out loss %.3f (ppl %.1f) before",
+        recipe.train_steps, recipe.batch_size, recipe.seq_len, torch.get_num_threads(),
+        loss_before, math.exp(loss_before),
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
+    model.train()
+    for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
+        loss = _lm_loss(model, batch_BT)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
+            log.info("step %d/%d train loss %.3f (%.1f s)", step, recipe.train_steps,
+                     loss.item(), time.perf_counter() - start_s)
+    train_s, train_cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
+    model.eval()
+    loss_after = heldout_loss(model, heldout_NT)
+    log.info("held-out loss %.3f (ppl %.1f) after %.1f s of pre-training",
+             loss_after, math.exp(loss_after), train_s)
+    return {
+        "heldout_loss_before": loss_before,
+        "heldout_loss_after": loss_after,
+        "heldout_ppl_before": math.exp(loss_before),
+        "heldout_ppl_after": math.exp(loss_after),
+        "train_s": train_s,
+        "train_cpu_s": train_cpu_s,
+        "num_train_chunks": len(train_NT),
+        "num_heldout_chunks": len(heldout_NT),
+    }
+
+
+def _lr_lambda(total_steps: int):
+    """Linear warmup over 5% of the steps, then cosine decay to 10% of the peak."""
+    warmup_steps = max(1, total_steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _batches(train_NT: torch.Tensor, recipe: TinyRecipe) -> Iterator[torch.Tensor]:
+    """`train_steps` batches drawn epoch by epoch from seeded permutations of the chunks."""
+    generator = torch.Generator().manual_seed(recipe.seed)
+    order = torch.empty(0, dtype=torch.int64)
+    for _ in range(recipe.train_steps):
+        while len(order) < recipe.batch_size:
+            order = torch.cat([order, torch.randperm(len(train_NT), generator=generator)])
+        idx, order = order[: recipe.batch_size], order[recipe.batch_size :]
+        yield train_NT[idx]
+
+
+def _lm_loss(model: LlamaForCausalLM, batch_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the batch."""
+    logits_BTV = model(input_ids=batch_BT).logits
+    return F.cross_entropy(
+        logits_BTV[:, :-1].flatten(0, 1).float(), batch_BT[:, 1:].flatten()
+    )
+
+
+@torch.no_grad()
+def heldout_loss(model: LlamaForCausalLM, chunks_NT: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy of `model` over `chunks_NT` (nats per token)."""
+    if len(chunks_NT) == 0:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for start in range(0, len(chunks_NT), batch_size):
+        batch_BT = chunks_NT[start : start + batch_size]
+        total += _lm_loss(model, batch_BT).item() * len(batch_BT)
+    model.train(was_training)
+    return total / len(chunks_NT)

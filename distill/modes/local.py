@@ -1,0 +1,179 @@
+"""mode=local: broker, teacher workers and DDP students on one machine, in one command.
+
+The children are the same commands a user would start by hand (``python -m distill
+mode=broker``, ``mode=worker``, ``torchrun ... mode=student``) with this job's
+overrides plus a run id, a private socket directory and this job's run directory,
+so a sweep's jobs never share sockets or shared memory. The supervisor waits for
+the students; on success, Ctrl-C, SIGTERM, or any child dying, it stops every
+child, and the kernel stops them too if the supervisor itself is killed
+(PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from distill.model.sources import teacher_source
+from distill.modes.process import configure_logging, die_with_parent, exit_on_sigterm, run_dir
+from distill.pipeline import protocol
+from distill.pipeline.auth import AuthError, CurveConfig, secure_client
+from distill.pipeline.endpoints import default_endpoint, runtime_dir
+from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
+from distill.pipeline.protocol import Command
+from distill.results.record import add_time_split, read_result
+from distill.results.report import append_section
+from distill.train.timing import cpu_seconds, format_time_split, read_teacher_times, time_split
+from distill.train.transport import curve_config, endpoints
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+TERMINATE_GRACE_S = 10.0
+OWN_KEYS = ("mode=", "run_id=", "pipeline.socket_dir=", "hydra.run.dir=", "hydra.output_subdir=",
+            "hydra.job.name=")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path | None
+
+
+def run_local(cfg: DictConfig) -> None:
+    """Start everything, wait for the students, tear everything down."""
+    configure_logging(cfg)
+    exit_on_sigterm()
+    run_id = cfg.run_id or new_run_id()
+    out = run_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    source = teacher_source(cfg)  # builds the tiny teacher once, before any child needs it
+    log.info("run %s: teacher %s, %d worker(s), %d student rank(s); run dir %s", run_id, source,
+             cfg.local.num_workers, cfg.local.num_students, out)
+    socket_dir = _private_socket_dir(run_id)
+    common = _child_overrides(run_id, socket_dir, out)
+    children: list[Child] = []
+    started = time.monotonic()
+    try:
+        children.append(_spawn("broker", ["mode=broker", *common, "hydra.job.name=broker"], out))
+        for i in range(cfg.local.num_workers):
+            children.append(_spawn(f"worker{i}", ["mode=worker", *common, f"hydra.job.name=worker{i}"], out))
+        children.append(_spawn("students", ["mode=student", *common, "hydra.job.name=student"], out,
+                               torchrun_ranks=cfg.local.num_students))
+        _wait_for_students(children)
+        _report_time_split(out, children[0], time.monotonic() - started, cfg.local.num_workers)
+        log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)
+    finally:
+        control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
+                   else default_endpoint("control", socket_dir))
+        _stop_all(children, control, curve_config(cfg))
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        sweep_orphans(min_age_s=0)
+
+
+def _report_time_split(out: Path, broker: Child, wall_s: float, num_workers: int) -> None:
+    """Log where the run's time went and add it to the results (see distill.train.timing)."""
+    student = (read_result(out) or {}).get("timings", {})
+    rows = time_split(wall_s, student, read_teacher_times(out), cpu_seconds(broker.proc.pid))
+    table = format_time_split(rows, wall_s, num_workers)
+    log.info("where the time went:\n%s", table)
+    append_section(str(out), table)
+    add_time_split(out, wall_s, rows)
+
+
+def _private_socket_dir(run_id: str) -> str:
+    base = runtime_dir()
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}-", dir=base)  # 0700, short enough for ipc paths
+
+
+def _child_overrides(run_id: str, socket_dir: str, out: Path) -> list[str]:
+    task = [o for o in HydraConfig.get().overrides.task if not o.startswith(OWN_KEYS)]
+    return [*task, f"run_id={run_id}", f"pipeline.socket_dir={socket_dir}", f"hydra.run.dir={out}",
+            "hydra.output_subdir=null"]
+
+
+def _spawn(name: str, overrides: list[str], out: Path, torchrun_ranks: int | None = None) -> Child:
+    if torchrun_ranks is None:
+        cmd = [sys.executable, "-m", "distill", *overrides]
+        log_path = out / f"{name}.out"
+        stdout = open(log_path, "w")  # noqa: SIM115 - closed when the child is reaped
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={torchrun_ranks}", "-m", "distill", *overrides]
+        log_path, stdout = None, None  # students print progress to our terminal
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, env=env,
+                            preexec_fn=_child_setup)
+    log.info("started %s (pid %d)", name, proc.pid)
+    return Child(name, proc, log_path)
+
+
+def _child_setup() -> None:
+    """In the child before exec: die with us (the kernel sends SIGTERM)."""
+    die_with_parent()
+
+
+def _wait_for_students(children: list[Child]) -> None:
+    students = children[-1]
+    while True:
+        for child in children:
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child is students and code == 0:
+                return
+            where = f"; see {child.log_path}" if child.log_path else ""
+            _tail(child)
+            raise RuntimeError(f"{child.name} exited with code {code}{where}")
+        with contextlib.suppress(subprocess.TimeoutExpired):  # back at once when the students end
+            students.proc.wait(timeout=POLL_S)
+
+
+def _tail(child: Child, lines: int = 20) -> None:
+    if child.log_path and child.log_path.exists():
+        text = child.log_path.read_text(errors="replace").splitlines()[-lines:]
+        log.error("last lines of %s:\n%s", child.log_path, "\n".join(text))
+
+
+def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig | None = None) -> None:
+    """Ask workers to stop (STOP), then SIGTERM what is left, then SIGKILL after a grace period."""
+    if any(c.proc.poll() is None for c in children):
+        _publish_stop(control_endpoint, curve)
+    for child in reversed(children):
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs: killing it", child.name, TERMINATE_GRACE_S)
+            child.proc.kill()
+            child.proc.wait()
+
+
+def _publish_stop(control_endpoint: str, curve: CurveConfig | None = None) -> None:
+    try:
+        keys = curve.client_keys() if curve is not None else None
+        sock = secure_client(protocol.configure(zmq.Context.instance().socket(zmq.DEALER)), keys)
+        sock.connect(control_endpoint)
+        protocol.send(sock, Command.STOP, {})
+        sock.poll(500)
+        sock.close(linger=0)
+    except (zmq.ZMQError, AuthError):
+        pass  # the children get SIGTERM next anyway

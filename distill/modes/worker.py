@@ -1,0 +1,48 @@
+"""mode=worker: a teacher that fills students' slots with per-layer targets until STOP.
+
+The batch function is :class:`distill.train.targets.TeacherTargets`; this entry point
+loads the teacher and the data, builds the :class:`~distill.pipeline.Worker` from the
+config and keeps the teacher's busy time on record for the run's time split.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from omegaconf import DictConfig
+
+from distill.model.sources import load_chunks, load_teacher, load_tokenizer
+from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
+from distill.pipeline import Worker
+from distill.train.stages import stage_layout
+from distill.train.targets import TeacherTargets
+from distill.train.timing import TimedBatchFn, TimingWriter
+from distill.train.transport import worker_kwargs
+
+log = logging.getLogger(__name__)
+
+
+def build_worker(cfg: DictConfig) -> Worker:
+    """The teacher, its data and the Worker that serves them, as configured."""
+    device = f"cuda:{cfg.device.worker_gpu}" if cfg.device.worker_gpu is not None else "cpu"
+    teacher = load_teacher(cfg, device)
+    chunks = load_chunks(cfg, load_tokenizer(cfg))
+    _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
+    targets = TeacherTargets(teacher, chunks.train_NT, cfg.data.seed)
+    timed = TimedBatchFn(targets, copy_s=lambda: targets.to_slots.copy_s)
+    return Worker(batch_fn=timed, batch_config=batch_config, **worker_kwargs(cfg))
+
+
+def run_worker(cfg: DictConfig) -> None:
+    """Serve teacher targets until the broker publishes STOP."""
+    configure_logging(cfg)
+    exit_on_sigterm()
+    worker = build_worker(cfg)
+    log.info("teacher worker ready (%d-byte samples, batches of up to %d)", worker.slot_size,
+             worker.max_batch)
+    writer = TimingWriter(worker.batch_fn.snapshot, run_dir() / f"teacher_time.{os.getpid()}.json").start()
+    try:
+        worker.run()
+    finally:
+        writer.stop()

@@ -1,0 +1,82 @@
+"""After the last stage (leader only): assemble, export, evaluate and write the results.
+
+The trained replacements come back from their stage files (or, after an end-to-end
+stage, the whole trained student); the student is exported as a model directory,
+scored against the teacher on the held-out chunks, and the run's answer is written:
+``report.md`` (with ``losses.png``) and ``result.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from omegaconf import OmegaConf
+
+from distill.model.assemble import export_student
+from distill.model.evaluate import evaluate, score_student
+from distill.model.sources import load_tokenizer, teacher_source
+from distill.replacements import describe
+from distill.results.record import write_result
+from distill.results.report import read_metrics, write_report
+from distill.train.context import METRICS_FILE, StudentContext
+from distill.train.e2e import e2e_finished, load_e2e_student
+from distill.train.modules import load_stage_replacements
+from distill.train.timing import timed
+
+log = logging.getLogger(__name__)
+
+
+def finish_run(ctx: StudentContext) -> None:
+    """Rebuild every trained replacement from its stage file, export, evaluate, report."""
+    cfg, teacher = ctx.cfg, ctx.teacher
+    with timed(ctx.timings, "export_s"):
+        replacements = load_stage_replacements(ctx, ctx.stages)
+        cfgs = {layer: OmegaConf.to_container(cfg.replacement, resolve=True) for layer in replacements}
+        base, final = teacher, replacements
+        if e2e_finished(ctx):
+            base, final = load_e2e_student(ctx)
+        out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
+                             tokenizer=load_tokenizer(cfg))
+        log.info("student exported to %s  (load it: from distill import load_student; "
+                 "model = load_student(%r))", out, out)
+    rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
+    summary = {"teacher": teacher_source(cfg), "replacement": cfgs[min(cfgs)].get("_target_"),
+               "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
+               "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size,
+               "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
+    result = None
+    if cfg.evaluate and len(ctx.heldout_NT):
+        with timed(ctx.timings, "evaluate_s"):
+            result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
+            if final is not replacements:  # the exported student had an end-to-end stage
+                summary["student_after_layer_stages"] = result.student
+                result.student = score_student(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
+        log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
+    metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
+    summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
+    report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
+                          ctx.timings)
+    write_result(ctx.out_dir, {
+        "summary": summary, "eval": result.to_dict() if result else None,
+        "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
+        "final_val": _final_val(metrics)})
+    log.info("report written to %s", report)
+
+
+def _run_metrics(path: str) -> list[dict]:
+    """This run's metrics; none when every stage came finished from its checkpoint (a
+    rerun of a completed command trains nothing, so it logs no step)."""
+    if not os.path.exists(path):
+        log.info("no stage was trained in this run (all restored from checkpoints): the report has "
+                 "no training curves; they are in the run that trained them")
+        return []
+    return read_metrics(path)
+
+
+def _final_val(metrics: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for record in metrics:
+        if record.get("event") == "stage_end":
+            out.update(record.get("val", {}))
+    return out

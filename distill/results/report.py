@@ -1,0 +1,357 @@
+"""A run's metrics turned into a plot and a markdown report.
+
+The trainer appends one JSON object per line to metrics.jsonl; three events matter here:
+
+    {"event": "train", "stage": 0, "layers": [0], "step": 10, "loss": 0.1,
+     "layer_losses": {"0": 0.1}, "lr": 1e-3, "samples_per_s": 100.0, ...}
+    {"event": "val", "stage": 0, "step": 10, "layer_losses": {"0": 0.12}}
+    {"event": "stage_end", "stage": 0, "layers": [0], "steps": 100, "tokens": 51200, ...}
+
+Other events are kept by `read_metrics` and ignored by the rest. `write_report` puts
+the run's answer in one page: what was distilled, what each replaced layer costs and
+loses, and how far the student is from the teacher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import defaultdict
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from distill.model.evaluate import EvalResult
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "report.md"
+PLOT_FILE = "losses.png"
+
+TABLE_HEADER = (
+    "| layer | replacement params ratio | FLOPs/token ratio | final val loss "
+    "| spliced-alone metric | tokens used |"
+)
+_METRIC_NAMES = {"lm": "perplexity", "encoder": "cosine similarity of final hidden states"}
+_MISSING = "–"
+
+
+# ---------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The JSON objects of metrics.jsonl, in file order.
+
+    A run killed mid-write leaves a truncated last line; it is skipped with a warning.
+    A bad line anywhere else means the file is not a metrics log, which is an error.
+    """
+    with open(path) as f:
+        lines = [(num, line) for num, line in enumerate(f, start=1) if line.strip()]
+    metrics = []
+    for position, (num, line) in enumerate(lines):
+        try:
+            metrics.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if position == len(lines) - 1:
+                log.warning("%s: skipping truncated last line %d (%s)", path, num, err)
+                break
+            raise ValueError(f"{path}:{num} is not JSON ({err}); is it a metrics.jsonl?") from err
+    return metrics
+
+
+def _events(metrics: list[dict], event: str) -> list[dict]:
+    return [record for record in metrics if record.get("event") == event]
+
+
+def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
+    """{layer: (steps, losses)} from the train events' per-layer losses."""
+    curves: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+    for record in _events(metrics, "train"):
+        for idx, loss in (record.get("layer_losses") or {}).items():
+            steps, losses = curves[int(idx)]
+            steps.append(int(record["step"]))
+            losses.append(float(loss))
+    return dict(sorted(curves.items()))
+
+
+def _final_val_losses(metrics: list[dict]) -> dict[int, float]:
+    """{layer: its last validation loss}, from val events or the stage_end's "val"."""
+    final: dict[int, float] = {}
+    for record in metrics:
+        event = record.get("event")
+        losses = record.get("layer_losses") if event == "val" else None
+        losses = record.get("val") if event == "stage_end" else losses
+        for idx, loss in (losses or {}).items():
+            final[int(idx)] = float(loss)
+    return dict(sorted(final.items()))
+
+
+def _tokens_used(metrics: list[dict]) -> dict[int, int]:
+    """{layer: training tokens of the stages that trained it} from stage_end events."""
+    tokens: dict[int, int] = defaultdict(int)
+    for record in _events(metrics, "stage_end"):
+        for idx in record.get("layers") or []:
+            tokens[int(idx)] += int(record.get("tokens", 0))
+    return dict(tokens)
+
+
+# ---------------------------------------------------------------------- plot
+
+
+def plot_losses(metrics: list[dict], out_png: str) -> str:
+    """Per-layer training loss curves (log y) and final validation losses; returns `out_png`.
+
+    Drawn on a bare `Figure` with the Agg canvas, never through pyplot, so it changes
+    no global matplotlib state and needs no display.
+    """
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    curves_ax, bars_ax = fig.subplots(1, 2, width_ratios=(2, 1))
+    _draw_curves(curves_ax, _train_curves(metrics))
+    _draw_val_bars(bars_ax, _final_val_losses(metrics))
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    return out_png
+
+
+def _draw_curves(ax: Any, curves: dict[int, tuple[list[int], list[float]]]) -> None:
+    """One line per layer, x = step within its stage; log y when every loss is positive."""
+    for idx, (steps, losses) in curves.items():
+        ax.plot(steps, losses, label=f"layer {idx}", linewidth=1.2)
+    values = [loss for _, losses in curves.values() for loss in losses]
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+    if not curves:
+        ax.text(0.5, 0.5, "no training events", ha="center", va="center", transform=ax.transAxes)
+    elif len(curves) <= 16:
+        ax.legend(fontsize="small", ncols=2)
+    ax.set(title="training loss per layer", xlabel="step within stage", ylabel="loss")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _draw_val_bars(ax: Any, final: dict[int, float]) -> None:
+    """One bar per layer: its last validation loss."""
+    if final:
+        ax.bar([str(idx) for idx in final], list(final.values()), color="tab:orange")
+    else:
+        ax.text(0.5, 0.5, "no validation events", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title="final validation loss", xlabel="layer", ylabel="loss")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+# ---------------------------------------------------------------------- report
+
+
+def write_report(
+    run_dir: str,
+    metrics: list[dict],
+    eval_result: EvalResult | dict | None,
+    describe_rows: dict[int, dict],
+    config_summary: dict,
+    timings: dict[str, float] | None = None,
+) -> str:
+    """Write run_dir/report.md (and the losses.png it embeds); returns the report's path.
+
+    `describe_rows[l]` is `distill.replacements.describe(replacement, teacher, seq_len)`;
+    `eval_result` may also be `EvalResult.to_dict()` read back from JSON, or None / {}
+    when the run was not evaluated (its sections then say so).
+    """
+    if isinstance(eval_result, dict):
+        eval_result = EvalResult.from_dict(eval_result) if eval_result else None
+    os.makedirs(run_dir, exist_ok=True)
+    plot_losses(metrics, os.path.join(run_dir, PLOT_FILE))
+    sections = [
+        "# Distillation report",
+        _config_section(config_summary),
+        _overall_section(eval_result),
+        _layer_section(metrics, eval_result, describe_rows),
+    ]
+    quality = _quality_section(metrics, config_summary)
+    if quality:
+        sections.append(quality)
+    if timings:
+        sections.append(_timing_section(timings))
+    sections.append(f"## Losses\n\n![training and validation losses]({PLOT_FILE})")
+    path = os.path.join(run_dir, REPORT_FILE)
+    with open(path, "w") as f:
+        f.write("\n\n".join(sections) + "\n")
+    log.info("report written to %s", path)
+    return path
+
+
+def append_section(run_dir: str, markdown: str) -> None:
+    """Add a section to the end of an existing report.md (``mode=local``'s time split, which
+    only the supervisor can measure, after the student wrote the report); no report, no-op."""
+    path = os.path.join(run_dir, REPORT_FILE)
+    if os.path.exists(path):
+        with open(path, "a") as f:
+            f.write("\n" + markdown + "\n")
+
+
+def _config_section(config_summary: dict) -> str:
+    """Key/value table of the run's configuration, nested keys dotted."""
+    rows = [f"| `{key}` | {_cell(value)} |" for key, value in _flatten(config_summary).items()]
+    return "\n".join(["## Configuration", "", "| key | value |", "| --- | --- |", *rows])
+
+
+def _overall_section(result: EvalResult | None) -> str:
+    """Teacher vs student on held-out data, with the relative gap."""
+    if result is None:
+        return "## Teacher vs student\n\nNot evaluated (`evaluate=false` or no held-out data)."
+    metric = _METRIC_NAMES.get(result.kind, result.kind)
+    return "\n".join(
+        [
+            "## Teacher vs student",
+            "",
+            f"Held-out {metric} over {result.num_tokens:,} tokens.",
+            "",
+            "| model | metric |",
+            "| --- | --- |",
+            f"| teacher | {_fmt(result.teacher)} |",
+            f"| student (all replacements) | {_fmt(result.student)} |",
+            f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |",
+        ]
+    )
+
+
+def _layer_section(
+    metrics: list[dict], result: EvalResult | None, describe_rows: dict[int, dict]
+) -> str:
+    """One row per replaced layer, then a total row of the cost ratios and tokens."""
+    final_val = _final_val_losses(metrics)
+    tokens = _tokens_used(metrics)
+    alone = result.per_layer if result is not None else {}
+    layer_idxs = sorted({*describe_rows, *alone, *final_val, *tokens})
+    rows = [
+        _layer_row(
+            idx,
+            describe_rows.get(idx, {}),
+            final_val.get(idx),
+            alone.get(idx),
+            tokens.get(idx),
+        )
+        for idx in layer_idxs
+    ]
+    rows.append(_total_row(describe_rows, metrics))
+    return "\n".join(
+        ["## Per layer", "", _layer_intro(result), "", TABLE_HEADER, "| --- " * 6 + "|", *rows]
+    )
+
+
+def _layer_intro(result: EvalResult | None) -> str:
+    """What the spliced-alone column holds, next to the teacher's own score."""
+    ratios = "Ratios are replacement / teacher layer."
+    if result is None:
+        return f"Spliced-alone metric: not evaluated. {ratios}"
+    metric = _METRIC_NAMES.get(result.kind, result.kind)
+    return (
+        f"Spliced-alone metric: held-out {metric} of the teacher with only that layer "
+        f"replaced (teacher: {_fmt(result.teacher)}). {ratios}"
+    )
+
+
+def _layer_row(
+    idx: int, row: dict, val_loss: float | None, alone: float | None, tokens: int | None
+) -> str:
+    cells = [
+        str(idx),
+        _fmt(row.get("params_ratio")),
+        _fmt(row.get("flops_ratio")),
+        _fmt(val_loss),
+        _fmt(alone),
+        _fmt_int(tokens),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _total_row(describe_rows: dict[int, dict], metrics: list[dict]) -> str:
+    """All replacements' parameters and FLOPs over those of the layers they replace, and
+    the tokens of all stages (a stage training several layers counts its tokens once)."""
+    rows = list(describe_rows.values())
+    params = _sum_ratio(rows, "params", "teacher_params")
+    flops = _sum_ratio(rows, "flops_per_token", "teacher_flops_per_token")
+    stage_ends = _events(metrics, "stage_end")
+    tokens = sum(int(r.get("tokens", 0)) for r in stage_ends) if stage_ends else None
+    cells = ["**all**", _fmt(params), _fmt(flops), _MISSING, _MISSING, _fmt_int(tokens)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _sum_ratio(rows: list[dict], key: str, teacher_key: str) -> float | None:
+    if not rows or any(key not in row or teacher_key not in row for row in rows):
+        return None
+    teacher_total = sum(row[teacher_key] for row in rows)
+    return sum(row[key] for row in rows) / teacher_total if teacher_total else None
+
+
+def _quality_section(metrics: list[dict], config_summary: dict) -> str:
+    """Stages that ended before their step count, and the end-to-end stage's effect."""
+    lines = []
+    early = [m for m in _events(metrics, "stage_end") if m.get("stopped") not in (None, "steps")]
+    if early:
+        lines += ["Stages that ended early: " + ", ".join(
+            f"stage {m['stage']} ({m['stopped']} after {m['steps']} steps, {_fmt_int(m.get('tokens'))} tokens)"
+            for m in early) + "."]
+    before = config_summary.get("student_after_layer_stages")
+    e2e_val = _events(metrics, "e2e_val")
+    if before is not None:
+        lines += [f"Student after the layer stages: {_fmt(before)}; the exported student above has also "
+                  "had the end-to-end stage."]
+    if e2e_val:
+        lines += ["", "| end-to-end step | held-out perplexity |", "| --- | --- |",
+                  *(f"| {m['step']} | {_fmt(m['ppl'])} |" for m in e2e_val)]
+    return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
+
+
+def _timing_section(timings: dict[str, float]) -> str:
+    """Seconds per phase and their share of the total."""
+    total_s = sum(timings.values())
+    share = (lambda seconds: f"{seconds / total_s:.1%}") if total_s > 0 else (lambda _: _MISSING)
+    rows = [
+        f"| {name.removesuffix('_s')} | {seconds:.1f} | {share(seconds)} |"
+        for name, seconds in timings.items()
+    ]
+    return "\n".join(
+        [
+            "## Time",
+            "",
+            "| phase | seconds | share |",
+            "| --- | --- | --- |",
+            *rows,
+            f"| **total** | {total_s:.1f} | |",
+        ]
+    )
+
+
+# ---------------------------------------------------------------------- formatting
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, prefix=f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _cell(value: Any) -> str:
+    """A value fit for a markdown table cell (no pipes, no newlines)."""
+    text = _fmt(value) if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt(value: float | None) -> str:
+    """4 significant digits; a dash for missing (or NaN) values."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return _MISSING
+    return f"{value:.4g}"
+
+
+def _fmt_int(value: int | None) -> str:
+    return _MISSING if value is None else f"{value:,}"

@@ -1,0 +1,131 @@
+"""What every stage of a student rank shares, and the distributed plumbing around it.
+
+A rank's run has one context: its rank and device, the frozen teacher, the control
+connection to the broker, the sample layout, the held-out chunks (leader only), where
+checkpoints and results go, and the stages to train. The collective helpers
+(:func:`barrier`, :func:`broadcast_int`) and the one wrap of a trained module for data
+parallelism (:func:`wrap_for_training`) live here, next to the process group they use.
+
+Shape legend: N chunks, T tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distill.model.sources import load_chunks, load_teacher, load_tokenizer
+from distill.model.teacher import Teacher
+from distill.pipeline import BatchConfig, StudentClient
+from distill.train.checkpoint import checkpoint_dir
+from distill.train.stages import Stage, stage_layout
+from distill.train.transport import control_client
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class StudentContext:
+    """What every stage of this rank shares."""
+
+    cfg: DictConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    teacher: Teacher
+    client: StudentClient
+    batch_config: BatchConfig
+    heldout_NT: torch.Tensor
+    checkpoint_dir: Path
+    out_dir: Path
+    stages: list[Stage]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        """Append one JSON line to ``metrics.jsonl`` (leader only: one writer per run)."""
+        if self.leader:
+            with open(self.out_dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def setup_context(cfg: DictConfig, out_dir: Path) -> StudentContext:
+    """Join the process group, load the teacher and (leader) the held-out data, say hello."""
+    rank, world_size, device = setup_distributed(cfg)
+    teacher = load_teacher(cfg, device)
+    stages, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
+    chunks = load_chunks(cfg, load_tokenizer(cfg)) if rank == 0 else None
+    heldout = chunks.heldout_NT if chunks is not None else torch.zeros(0, cfg.data.seq_len, dtype=torch.long)
+    client = control_client(cfg, rank, batch_config)
+    client.hello()
+    if rank != 0:
+        client.start_sub_listener()
+    directory = checkpoint_dir(cfg)
+    if rank == 0:
+        log.info("run dir %s; checkpoints in %s; %d stage(s) of %s", out_dir, directory, len(stages),
+                 [list(s.layers) for s in stages])
+    return StudentContext(cfg, rank, world_size, device, teacher, client, batch_config, heldout,
+                          directory, out_dir, stages)
+
+
+def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; NCCL on CUDA, else gloo."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.device.student_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if not torch.cuda.is_available():
+            raise ValueError("device.student_gpu=true but CUDA is not available; set device=cpu")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend)
+    return rank, world_size, device
+
+
+def close_context(ctx: StudentContext) -> None:
+    """Close the control connection and leave the process group."""
+    ctx.client.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_for_training(module: nn.Module, ctx: StudentContext) -> nn.Module:
+    """``module`` as the ranks train it together: DDP across ranks, itself on one rank."""
+    if ctx.world_size == 1:
+        return module
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DDP(module, device_ids=device_ids)
+
+
+def broadcast_int(value: int, ctx: StudentContext) -> int:
+    """Rank 0's ``value`` on every rank."""
+    if ctx.world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
+def barrier(ctx: StudentContext) -> None:
+    """Wait for every rank (nothing to wait for on one rank)."""
+    if ctx.world_size > 1:
+        dist.barrier()

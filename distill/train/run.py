@@ -1,0 +1,28 @@
+"""The order of a run's stages: every layer stage not yet finished, then the end-to-end stage.
+
+A finished stage is never retrained (``progress.json``), so rerunning a command resumes
+where it stopped: in the stage in progress, at its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from distill.train import checkpoint as ckpt
+from distill.train.context import StudentContext
+from distill.train.e2e import run_e2e_stage
+from distill.train.trainer import StageTrainer, train_stage
+
+log = logging.getLogger(__name__)
+
+
+def train_all(ctx: StudentContext) -> None:
+    """Train the stages of ``ctx`` that a previous run did not finish."""
+    finished = set(ckpt.read_progress(ctx.checkpoint_dir)["finished"]) if ctx.cfg.resume else set()
+    for stage in ctx.stages:
+        if stage.index in finished:
+            log.info("stage %d (layers %s) already trained: skipping", stage.index, list(stage.layers))
+            continue
+        train_stage(StageTrainer(ctx, stage))
+    if ctx.cfg.student.e2e.steps > 0:
+        run_e2e_stage(ctx, finished)

@@ -1,0 +1,135 @@
+"""Stages: which teacher layers are trained together, and what a sample of a stage holds.
+
+A stage trains ``layers_per_stage`` layers from one teacher pass. A sample holds the
+token ids and the hidden states at the stage's *boundaries*: position p is the input
+of layer p (= the output of layer p-1). For consecutive layers l..l+k-1 that is k+1
+states instead of 2k; each replacement still sees the teacher's own input.
+
+The payload layout is fixed for a whole run (the largest stage), so a student's
+slots never need resizing between stages.
+
+Two options widen that layout. A closed-loop stage (``student.inputs=student|mix``) also
+carries position 0, the embeddings, from which the student runs its own trained
+replacements to build each layer's input. When the end-to-end stage is on, every sample
+has room for the teacher's top-k next-token log-probabilities (``topk_logp`` and
+``topk_idx``, [T, k]); that stage writes the teacher's final hidden state into
+``hidden[0]`` (see :mod:`distill.train.targets`).
+
+:func:`stage_layout` is the one place that turns a config and a teacher's shape into the
+stages and the sample layout: the start-up checks, the workers and the students all call
+it, so they can never disagree about what a slot holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from distill.config import Inputs
+from distill.pipeline import BatchConfig, TensorSpec
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    layers: tuple[int, ...]
+    closed_loop: bool = False
+    """The sample also carries the embeddings (position 0) for closed-loop inputs."""
+    kind: str = "layers"
+    """``layers`` (per-layer targets) or ``e2e`` (top-k log-probabilities of the full model)."""
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Boundary positions whose hidden states a sample carries, ascending."""
+        boundaries = {p for layer in self.layers for p in (layer, layer + 1)}
+        if self.closed_loop:
+            boundaries.add(0)
+        return tuple(sorted(boundaries))
+
+    @property
+    def model_id(self) -> str:
+        if self.kind == "e2e":
+            return f"stage{self.index}:e2e"
+        loop = ":closed" if self.closed_loop else ""
+        return f"stage{self.index}:layers" + ",".join(map(str, self.layers)) + loop
+
+    @property
+    def model_cfg(self) -> dict:
+        cfg: dict = {"stage": self.index, "layers": list(self.layers)}
+        if self.closed_loop:
+            cfg["closed_loop"] = True
+        if self.kind != "layers":
+            cfg["kind"] = self.kind
+        return cfg
+
+    @classmethod
+    def from_model_cfg(cls, model_cfg: dict | None) -> Stage:
+        """The stage a worker is asked for (inverse of ``model_cfg``)."""
+        model_cfg = model_cfg or {}
+        return cls(int(model_cfg.get("stage", 0)), tuple(model_cfg["layers"]),
+                   bool(model_cfg.get("closed_loop", False)), str(model_cfg.get("kind", "layers")))
+
+    def io_index(self, layer: int) -> tuple[int, int]:
+        """Indices into the sample's ``hidden`` of layer's input and output."""
+        return self.positions.index(layer), self.positions.index(layer + 1)
+
+
+def plan_stages(num_layers: int, layers: list[int] | None, layers_per_stage: int,
+                closed_loop: bool = False) -> list[Stage]:
+    """Split the layers to replace into stages of ``layers_per_stage``."""
+    chosen = sorted(set(range(num_layers) if layers is None else layers))
+    bad = [layer for layer in chosen if not 0 <= layer < num_layers]
+    if bad:
+        raise ValueError(f"student.layers has {bad}, outside the teacher's layers 0..{num_layers - 1}; "
+                         "fix student.layers or leave it null for all layers")
+    if layers_per_stage < 1:
+        raise ValueError(f"student.layers_per_stage={layers_per_stage} must be >= 1")
+    if not chosen:
+        raise ValueError("student.layers is empty: name at least one layer, or null for all")
+    groups = [chosen[i:i + layers_per_stage] for i in range(0, len(chosen), layers_per_stage)]
+    return [Stage(i, tuple(group), closed_loop) for i, group in enumerate(groups)]
+
+
+def max_positions(stages: list[Stage]) -> int:
+    return max(len(stage.positions) for stage in stages)
+
+
+def sample_batch_config(num_positions: int, seq_len: int, hidden_size: int, dtype: str,
+                        top_k: int = 0) -> BatchConfig:
+    """The layout of one sample: token ids + ``num_positions`` hidden states (+ top-k log-probs)."""
+    specs = [
+        TensorSpec("input_ids", (seq_len,), "int64"),
+        TensorSpec("hidden", (num_positions, seq_len, hidden_size), dtype),
+    ]
+    if top_k:
+        specs += [TensorSpec("topk_logp", (seq_len, top_k), "float32"),
+                  TensorSpec("topk_idx", (seq_len, top_k), "int64")]
+    return BatchConfig(specs)
+
+
+def closed_loop(student_cfg: Any) -> bool:
+    """Whether layer stages feed replacements student-built inputs (``student.inputs``)."""
+    return student_cfg.inputs != Inputs.teacher
+
+
+def e2e_top_k(student_cfg: Any) -> int:
+    """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on."""
+    return int(student_cfg.e2e.top_k) if student_cfg.e2e.steps > 0 else 0
+
+
+def e2e_stage(stages: list[Stage]) -> Stage:
+    """The end-to-end stage that follows the layer stages. It trains the whole student, so it
+    names no layers (the report counts no layer budget against it)."""
+    return Stage(len(stages), (), kind="e2e")
+
+
+def stage_layout(cfg: DictConfig, num_layers: int, hidden_size: int) -> tuple[list[Stage], BatchConfig]:
+    """The run's layer stages and the layout of one sample, from the config and the teacher's
+    shape (checks, workers and students all call this; see the module docstring)."""
+    student = cfg.student
+    stages = plan_stages(num_layers, student.layers, student.layers_per_stage, closed_loop(student))
+    batch_config = sample_batch_config(max_positions(stages), cfg.data.seq_len, hidden_size,
+                                       cfg.teacher.dtype, top_k=e2e_top_k(student))
+    return stages, batch_config

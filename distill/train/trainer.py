@@ -1,0 +1,331 @@
+"""The stage trainer: one stage's replacements trained across the DDP ranks.
+
+Rank 0 leads: it switches the stage on the broker (``set_model``) and broadcasts the
+new generation; the other ranks wait until their PUB/SUB listener has seen it, so
+all ranks start each stage at the same step on samples of that stage only. Each
+stage builds its replacements, optimizer, schedule and DDP wrapper afresh
+(:class:`StageTrainer`: ``setup``, ``train``, ``validate``, ``save_checkpoint``,
+``finish``, ``cleanup``, the verbs of torchtune's recipes).
+
+Shape legend: B batch, P boundary positions of a stage, T tokens, D hidden size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from distill.config import Loss
+from distill.train import checkpoint as ckpt
+from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
+from distill.train.context import StudentContext, barrier, broadcast_int, wrap_for_training
+from distill.train.modules import build_stage_module
+from distill.train.stages import Stage
+from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
+from distill.train.timing import timed
+from distill.train.transfer import BackgroundBatches, DevicePrefetcher
+from distill.train.transport import stage_dataset
+
+log = logging.getLogger(__name__)
+
+STARVED_FRACTION = 0.05
+"""Warn when students spend more than this share of their steps waiting for samples
+(the first batch of a stage, which waits for the teachers to switch, not counted)."""
+
+
+# ---------------------------------------------------------------------- losses
+def layer_loss(pred_BTD: torch.Tensor, target_BTD: torch.Tensor, kind: str) -> torch.Tensor:
+    """``nmse``: MSE(s, t) / MSE(t, 0) in fp32 (scale-free across layers); ``cosine``: 1 - cos."""
+    pred, target = pred_BTD.float(), target_BTD.float()
+    if kind == Loss.nmse:
+        return (pred - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
+    if kind == Loss.cosine:
+        return 1.0 - F.cosine_similarity(pred, target, dim=-1).mean()
+    raise ValueError(f"student.loss={kind!r}: choose one of {[k.value for k in Loss]}")
+
+
+def data_supply(wait_s: float, step_s: float, samples: int, startup_wait_s: float = 0.0) -> dict[str, float]:
+    """How well the teachers fed a stage, from the student's clock.
+
+    ``step_s`` is the time of the training steps, waiting for data included;
+    ``samples`` those the steps consumed (all ranks). Delivered is what arrived per
+    second of steps; needed is what the students would have taken had they never
+    waited. Their ratio is how many times more teacher throughput the stage lacked.
+    The first batch of a stage (``startup_wait_s``: the teachers switching layers) is
+    reported apart, not as starvation.
+    """
+    compute_s = max(step_s - wait_s, 1e-9)
+    return {"wait_fraction": wait_s / step_s if step_s > 0 else 0.0,
+            "delivered_samples_per_s": samples / step_s if step_s > 0 else 0.0,
+            "needed_samples_per_s": samples / compute_s,
+            "startup_wait_s": startup_wait_s}
+
+
+def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---------------------------------------------------------------------- a stage
+class StageTrainer:
+    """Trains the replacements of one stage: setup, train, save_checkpoint, cleanup."""
+
+    def __init__(self, ctx: StudentContext, stage: Stage) -> None:
+        self.ctx = ctx
+        self.stage = stage
+        self.scfg = with_budget(ctx.cfg.student, ctx.world_size, ctx.cfg.data.seq_len)
+        self.start_step = 0
+        self._loader_iter = None
+        self._background: BackgroundBatches | None = None
+        self.closed_loop: ClosedLoopInputs | None = None
+        self.patience = Patience(self.scfg.patience, self.scfg.min_delta)
+
+    # -- setup
+    def setup(self) -> None:
+        self._setup_model()
+        self._setup_optimizer()
+        self._maybe_resume()
+        self._setup_data()
+        self._setup_validation()
+        self._setup_inputs()
+
+    def _setup_inputs(self) -> None:
+        """Closed-loop input builder (``student.inputs``); None for teacher inputs."""
+        self.closed_loop = build_closed_loop(self.ctx, self.stage, self.scfg.steps_per_stage, self.start_step)
+
+    def _setup_model(self) -> None:
+        torch.manual_seed(self.scfg.seed + self.stage.index)
+        self.module: nn.Module = build_stage_module(self.ctx.cfg, self.ctx.teacher, self.stage).to(self.ctx.device)
+        self.model: nn.Module = wrap_for_training(self.module, self.ctx)
+
+    def _setup_optimizer(self) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.scfg.lr, weight_decay=self.scfg.weight_decay)
+        total, warmup, floor = self.scfg.steps_per_stage, self.scfg.warmup_steps, self.scfg.min_lr_ratio
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: cosine_lr(step, total, warmup, floor))
+
+    def _maybe_resume(self) -> None:
+        directory = self.ctx.checkpoint_dir
+        if self.ctx.cfg.resume and ckpt.has_training_state(directory, self.stage.index):
+            state = ckpt.load_training_state(directory, module=self.module, optimizer=self.optimizer,
+                                             scheduler=self.scheduler)
+            self.start_step = int(state["step"])
+            log.info("stage %d: resumed at step %d from %s", self.stage.index, self.start_step, directory)
+
+    def _setup_data(self) -> None:
+        ctx = self.ctx
+        if ctx.leader:
+            generation = ctx.client.set_model(self.stage.model_id, self.stage.model_cfg)
+        else:
+            generation = 0
+        generation = broadcast_int(generation, ctx)
+        if not ctx.leader:
+            ctx.client.wait_generation(generation, timeout_s=120)
+        workers, cuda = self.scfg.loader_workers, ctx.device.type == "cuda"
+        dataset = stage_dataset(ctx.cfg, ctx.rank, ctx.client.generation_value, ctx.batch_config,
+                                self.scfg.micro_batch_size, pin_memory=cuda and workers == 0)
+        if workers == 0 and self.scfg.prefetch_batches > 0:
+            self.loader = None  # the dataset's own iterator, in a thread that gathers ahead
+            self._background = BackgroundBatches(dataset.__iter__, self.scfg.prefetch_batches,
+                                                 name=f"batches-stage{self.stage.index}")
+            self._loader_iter = DevicePrefetcher(self._background, ctx.device)
+            return
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                                 pin_memory=cuda and workers > 0,
+                                 prefetch_factor=2 if workers else None,
+                                 persistent_workers=False)
+        self._loader_iter = DevicePrefetcher(iter(self.loader), ctx.device)
+
+    def _setup_validation(self) -> None:
+        """Teacher targets on the held-out chunks (the same in every run), computed here once."""
+        self.val_pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        if not self.ctx.leader or len(self.ctx.heldout_NT) == 0:
+            return
+        bs = self.scfg.micro_batch_size
+        for start in range(0, len(self.ctx.heldout_NT), bs):
+            captured = self.ctx.teacher.capture(self.ctx.heldout_NT[start:start + bs], list(self.stage.layers))
+            for layer in self.stage.layers:
+                x, y = captured[layer]
+                self.val_pairs.setdefault(layer, []).append((x.float(), y.float()))
+
+    # -- train
+    def train(self) -> dict[str, float]:
+        total = self.scfg.steps_per_stage
+        accum = self.scfg.grad_accum_steps
+        bar = tqdm(total=total, initial=self.start_step, disable=not self.ctx.leader, leave=True,
+                   desc=f"stage {self.stage.index} layers {','.join(map(str, self.stage.layers))}")
+        started = time.monotonic()
+        wait_s = compute_s = startup_wait_s = 0.0
+        samples = 0
+        losses: dict[int, float] = {}
+        self.model.train()
+        steps_done, stopped = self.start_step, stop_reason(self.ctx.cfg.student, total)
+        for step in range(self.start_step, total):
+            step_started = time.monotonic()
+            for micro in range(accum):
+                t0 = time.monotonic()
+                batch = next(self._loader_iter)
+                if step == self.start_step and micro == 0:  # the teachers switch to this stage
+                    startup_wait_s = time.monotonic() - t0
+                    step_started = time.monotonic()
+                else:
+                    wait_s += time.monotonic() - t0
+                sync = micro == accum - 1 or not isinstance(self.model, DDP)
+                with contextlib.nullcontext() if sync else self.model.no_sync():
+                    loss, losses = self._loss(batch)
+                    (loss / accum).backward()
+                samples += batch["input_ids"].shape[0]
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.scfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            compute_s += time.monotonic() - step_started
+            bar.update(1)
+            done = steps_done = step + 1
+            if done % self.scfg.log_every_steps == 0 or done == total:
+                self._log_train(done, losses, float(grad_norm), samples, started, wait_s, compute_s, bar)
+            validate_now = self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total
+            if validate_now and self._out_of_patience(self._timed_validate(done)):
+                stopped = STOP_PATIENCE
+                break
+            if self.scfg.checkpoint_every_steps and done % self.scfg.checkpoint_every_steps == 0 \
+                    and done < total:
+                with timed(self.ctx.timings, "checkpoint_s"):
+                    self.save_checkpoint(done)
+        bar.close()
+        supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
+        self._report_starvation(supply)
+        val = self._timed_validate(steps_done)
+        timings = self.ctx.timings
+        timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
+        timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s
+        timings["student_startup_wait_s"] = timings.get("student_startup_wait_s", 0.0) + startup_wait_s
+        self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "layers": list(self.stage.layers),
+                              "steps": steps_done, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
+                              "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},
+                              "stopped": stopped, **supply})
+        return val
+
+    def _timed_validate(self, step: int) -> dict[int, float]:
+        with timed(self.ctx.timings, "validation_s"):
+            return self.validate(step)
+
+    def _out_of_patience(self, val: dict[int, float]) -> bool:
+        """Leader decides from its validation (others have none); every rank gets the verdict."""
+        stop = bool(val) and self.patience.update(sum(val.values()) / len(val))
+        stop = bool(broadcast_int(int(stop), self.ctx))
+        if stop and self.ctx.leader:
+            log.info("stage %d: validation has not improved for %d validations: stopping early",
+                     self.stage.index, self.scfg.patience)
+        return stop
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
+        hidden_BPTD = batch["hidden"].to(self.ctx.device, non_blocking=True)
+        inputs, targets = {}, {}
+        for layer in self.stage.layers:
+            i, o = self.stage.io_index(layer)
+            inputs[layer] = hidden_BPTD[:, i].float()
+            targets[layer] = hidden_BPTD[:, o]
+        if self.closed_loop is not None:
+            inputs = self.closed_loop(hidden_BPTD, inputs, self.module.blocks)
+        preds = self.model(inputs)
+        per_layer = {layer: layer_loss(preds[layer], targets[layer], self.scfg.loss) for layer in preds}
+        loss = torch.stack(list(per_layer.values())).mean()
+        return loss, {layer: float(v.detach()) for layer, v in per_layer.items()}
+
+    def _log_train(self, step: int, losses: dict[int, float], grad_norm: float, samples: int,
+                   started: float, wait_s: float, compute_s: float, bar: tqdm) -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        mean = sum(losses.values()) / max(1, len(losses))
+        rate = samples * self.ctx.world_size / elapsed
+        wait_fraction = wait_s / max(compute_s, 1e-9)
+        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}", wait=f"{wait_fraction:.0%}")
+        self.ctx.log_metrics({"event": "train", "stage": self.stage.index, "layers": list(self.stage.layers),
+                              "step": step, "loss": mean, "layer_losses": {str(k): v for k, v in losses.items()},
+                              "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                              "samples_per_s": rate, "wait_fraction": wait_fraction, "time_s": elapsed})
+
+    def _report_starvation(self, supply: dict[str, float]) -> None:
+        """Tell the user when the teachers, not the students, set the pace, and by how much."""
+        if not self.ctx.leader:
+            return
+        if supply["wait_fraction"] < STARVED_FRACTION:
+            log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
+                     self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
+            return
+        log.warning("stage %d was teacher-bound: students waited %.0f%% of their steps for data; "
+                    "they needed %.0f samples/s, the teachers delivered %.0f (%.2fx short); add teacher "
+                    "workers (local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
+                    self.stage.index, 100 * supply["wait_fraction"], supply["needed_samples_per_s"],
+                    supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
+                    / max(supply["delivered_samples_per_s"], 1e-9))
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[int, float]:
+        """Per-layer loss on the fixed held-out set (leader only; others wait at the barrier)."""
+        result: dict[int, float] = {}
+        if self.ctx.leader and self.val_pairs:
+            self.module.eval()
+            for layer, pairs in self.val_pairs.items():
+                block = self.module.blocks[str(layer)]
+                values = [layer_loss(block(x.to(self.ctx.device)), y.to(self.ctx.device), self.scfg.loss)
+                          for x, y in pairs]
+                result[layer] = float(torch.stack(values).mean())
+            self.module.train()
+            self.ctx.log_metrics({"event": "val", "stage": self.stage.index, "step": step,
+                                  "layer_losses": {str(k): v for k, v in result.items()}})
+            log.info("stage %d step %d validation: %s", self.stage.index, step,
+                     ", ".join(f"layer {k}: {v:.4f}" for k, v in result.items()))
+        barrier(self.ctx)
+        return result
+
+    # -- checkpoint
+    def save_checkpoint(self, step: int) -> None:
+        if self.ctx.leader:
+            ckpt.save_training_state(self.ctx.checkpoint_dir, stage=self.stage.index, step=step,
+                                     module=self.module, optimizer=self.optimizer,
+                                     scheduler=self.scheduler,
+                                     extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True)})
+        barrier(self.ctx)
+
+    def finish(self) -> None:
+        """Record the stage as done: its weights, and progress (never retrained)."""
+        if self.ctx.leader:
+            directory = self.ctx.checkpoint_dir
+            ckpt.save_stage_weights(directory, self.stage.index, self.module)
+            progress = ckpt.read_progress(directory)
+            progress["finished"] = sorted(set(progress["finished"]) | {self.stage.index})
+            progress["layers"] = {str(s.index): list(s.layers) for s in self.ctx.stages}
+            ckpt.write_json_atomic(directory / ckpt.PROGRESS_FILE, progress)
+        barrier(self.ctx)
+
+    def cleanup(self) -> None:
+        if self._background is not None:
+            self._background.close()  # its thread closes the dataset: the pool unlinks
+            self._background = None
+        self._loader_iter = None  # shuts DataLoader workers down; their pools unlink
+        self.loader = None
+
+
+def train_stage(trainer: StageTrainer) -> None:
+    """Set up, train and record one stage; its setup and its record are timed as phases
+    of the run (``distill.train.timing``), its steps by ``train`` itself."""
+    with timed(trainer.ctx.timings, "stage_setup_s"):
+        trainer.setup()
+    trainer.train()
+    with timed(trainer.ctx.timings, "checkpoint_s"):
+        trainer.finish()
+    trainer.cleanup()

@@ -1,0 +1,111 @@
+"""``cfg.pipeline`` -> pipeline objects: the one place that maps the config to the transport.
+
+The broker, the teacher workers and the student ranks each build their part of the
+pipeline from the same ``pipeline`` group; if each mode read the keys itself, a new
+setting would have to be threaded through three places and could be forgotten in one.
+Here each key is read once: the endpoints (TCP at ``pipeline.broker_host``, else ipc in
+``pipeline.socket_dir``), the run id, the CurveZMQ keys, and the keyword arguments of
+:class:`~distill.pipeline.Broker`, :class:`~distill.pipeline.Worker`,
+:class:`~distill.pipeline.StudentClient` and :class:`~distill.pipeline.DistillIterableDataset`.
+
+It imports neither transformers nor the models, so the broker's start stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient
+from distill.pipeline.auth import CurveConfig
+from distill.pipeline.endpoints import SOCKET_NAMES, default_endpoint, runtime_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUN_ID = "default"
+
+BROKER_LIMITS = ("max_queued", "max_queued_per_student", "max_students", "max_workers", "max_runs")
+"""The broker's back-pressure limits, ``pipeline.<name>``, passed under the same names."""
+
+
+def endpoints(cfg: DictConfig) -> dict[str, str]:
+    """The four broker endpoints: TCP at ``pipeline.broker_host`` (several machines), or
+    ipc in ``pipeline.socket_dir`` (one machine)."""
+    host = cfg.pipeline.get("broker_host")
+    if host:
+        port = cfg.pipeline.broker_port
+        return {name: f"tcp://{host}:{port + i}" for i, name in enumerate(SOCKET_NAMES)}
+    directory = cfg.pipeline.socket_dir or runtime_dir()
+    return {name: default_endpoint(name, directory) for name in SOCKET_NAMES}
+
+
+def curve_config(cfg: DictConfig) -> CurveConfig | None:
+    """The CurveZMQ keys of ``pipeline.auth_keys_dir`` (None: authentication off)."""
+    if not cfg.pipeline.auth_keys_dir:
+        return None
+    return CurveConfig.from_keys_dir(cfg.pipeline.auth_keys_dir, cfg.pipeline.auth_client)
+
+
+def run_id(cfg: DictConfig) -> str:
+    """``run_id``, or else one per sweep job (so the jobs of a multirun sharing a broker
+    never share a run), or else ``default``."""
+    return cfg.run_id or sweep_job_run_id() or DEFAULT_RUN_ID
+
+
+def sweep_job_run_id() -> str | None:
+    """``<sweep dir name>j<job number>`` in a Hydra multirun job, None elsewhere."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    sweep = "".join(c for c in Path(hydra_cfg.sweep.dir).name if c.isalnum())[-8:]
+    return f"{sweep}j{hydra_cfg.job.num}"
+
+
+def _heartbeats(cfg: DictConfig) -> dict[str, Any]:
+    return {"heartbeat_interval_s": cfg.pipeline.heartbeat_interval_s,
+            "heartbeat_liveness": cfg.pipeline.heartbeat_liveness}
+
+
+def broker_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Keyword arguments of the run's :class:`~distill.pipeline.Broker`."""
+    eps = {f"{name}_endpoint": ep for name, ep in endpoints(cfg).items()}
+    limits = {name: cfg.pipeline[name] for name in BROKER_LIMITS}
+    return {**eps, **_heartbeats(cfg), "curve": curve_config(cfg), **limits}
+
+
+def worker_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Keyword arguments of a teacher :class:`~distill.pipeline.Worker` (besides its batch
+    function and sample layout)."""
+    eps = endpoints(cfg)
+    return {"backend_endpoint": eps["backend"], "control_pub_endpoint": eps["control_pub"],
+            "max_batch": cfg.pipeline.worker_max_batch, **_heartbeats(cfg),
+            "local_shm": cfg.pipeline.local_shm, "curve": curve_config(cfg),
+            "notify_students": cfg.pipeline.notices, "notice_dir": cfg.pipeline.socket_dir,
+            "direct_requests": cfg.pipeline.direct_requests}
+
+
+def control_client(cfg: DictConfig, rank: int, batch_config: BatchConfig) -> StudentClient:
+    """A rank's control connection (stage switches, the leader's generation): it owns no
+    slots; each stage's samples come through :func:`stage_dataset`."""
+    eps = endpoints(cfg)
+    return StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
+                         run_id=run_id(cfg), **_heartbeats(cfg), curve=curve_config(cfg),
+                         share_model=cfg.pipeline.fan_out, notices=False)
+
+
+def stage_dataset(cfg: DictConfig, rank: int, generation_value: Any, batch_config: BatchConfig,
+                  batch_size: int, pin_memory: bool) -> DistillIterableDataset:
+    """The dataset a rank reads one stage's batches from (its own slots)."""
+    return DistillIterableDataset(
+        rank, generation_value, cfg.pipeline.slot_count, batch_config, endpoints(cfg)["frontend"],
+        run_id=run_id(cfg), batch_size=batch_size, **_heartbeats(cfg), medium=cfg.pipeline.medium,
+        tcp_host=cfg.pipeline.tcp_host, curve=curve_config(cfg), pin_memory=pin_memory,
+        notices=cfg.pipeline.notices, notice_dir=cfg.pipeline.socket_dir,
+        direct_requests=cfg.pipeline.direct_requests)

@@ -1,0 +1,134 @@
+"""distill.model.evaluate against plain references: the HF forward and `perplexity`.
+
+The cached, shared computation in `evaluate` must give what running each stack from
+scratch gives. Held-out text for the LM is *sampled from the teacher*, so the teacher
+is the best possible model of it (Gibbs' inequality) and any perturbed student must
+score a higher perplexity, even though the tiny teacher itself is untrained.
+
+Shape legend: N chunks, B batch, T tokens, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distill.model.evaluate import EvalResult, evaluate, perplexity
+from distill.model.teacher import Teacher
+from distill.replacements.mlp import ResidualMLP
+from distill.replacements.teacher_copy import TeacherCopy
+from tests.tiny_teachers import tiny_bert, tiny_llama
+
+N, T, VOCAB, NUM_LAYERS = 6, 12, 64, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads; on a shared CPU they get much slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Teacher:
+    return tiny_llama(VOCAB, NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def bert() -> Teacher:
+    return tiny_bert(VOCAB, NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def sampled_NT(llama: Teacher) -> torch.Tensor:
+    """Chunks sampled from the teacher at temperature 1, starting from random tokens."""
+    gen = torch.Generator().manual_seed(0)
+    ids_NT = torch.randint(0, VOCAB, (N, 1), generator=gen)
+    with torch.no_grad():
+        for _ in range(T - 1):
+            probs_NV = llama.model(ids_NT).logits[:, -1].softmax(-1)
+            ids_NT = torch.cat([ids_NT, torch.multinomial(probs_NV, 1, generator=gen)], dim=1)
+    return ids_NT
+
+
+def _reference_ppl(model: torch.nn.Module, ids_NT: torch.Tensor) -> float:
+    """exp(mean next-token NLL) of the HF model's own forward, one chunk at a time."""
+    with torch.no_grad():
+        logits_NTV = model(ids_NT).logits
+    nll = F.cross_entropy(logits_NTV[:, :-1].flatten(0, 1), ids_NT[:, 1:].flatten())
+    return math.exp(nll.item())
+
+
+def _copies(teacher: Teacher, idxs: list[int]) -> dict[int, torch.nn.Module]:
+    return {idx: TeacherCopy(teacher, idx) for idx in idxs}
+
+
+def test_perplexity_matches_hf_forward(llama: Teacher, sampled_NT: torch.Tensor) -> None:
+    got = perplexity(llama, list(llama.layers), sampled_NT, batch_size=4)
+    assert got == pytest.approx(_reference_ppl(llama.model, sampled_NT), rel=1e-5)
+
+
+def test_copy_student_scores_as_teacher(llama: Teacher, sampled_NT: torch.Tensor) -> None:
+    result = evaluate(llama, _copies(llama, [0, 2]), sampled_NT, batch_size=4)
+    assert result.kind == "lm"
+    assert result.teacher == pytest.approx(_reference_ppl(llama.model, sampled_NT), rel=1e-5)
+    assert result.student == pytest.approx(result.teacher, rel=1e-5)
+    assert set(result.per_layer) == {0, 2}
+    assert all(v == pytest.approx(result.teacher, rel=1e-5) for v in result.per_layer.values())
+    assert result.num_tokens == N * (T - 1)
+
+
+def test_untrained_mlp_student_is_worse(llama: Teacher, sampled_NT: torch.Tensor) -> None:
+    """Shared-cache results equal `perplexity` run from scratch on the same stacks."""
+    replacements = {idx: ResidualMLP(llama, idx, hidden_mult=1.0) for idx in (0, 1)}
+    result = evaluate(llama, replacements, sampled_NT, batch_size=4)
+    assert result.student > result.teacher
+    assert all(value > result.teacher for value in result.per_layer.values())
+    student_layers = [replacements.get(idx, layer) for idx, layer in enumerate(llama.layers)]
+    assert result.student == pytest.approx(
+        perplexity(llama, student_layers, sampled_NT, 4), rel=1e-5
+    )
+    alone_1 = [llama.layers[0], replacements[1], llama.layers[2]]
+    assert result.per_layer[1] == pytest.approx(perplexity(llama, alone_1, sampled_NT, 4), rel=1e-5)
+
+
+def test_max_chunks_and_no_replacements(llama: Teacher, sampled_NT: torch.Tensor) -> None:
+    result = evaluate(llama, {}, sampled_NT, batch_size=4, max_chunks=2)
+    assert result.num_tokens == 2 * (T - 1)
+    assert result.student == result.teacher and result.per_layer == {}
+
+
+def test_replacements_keep_their_training_mode(llama: Teacher, sampled_NT: torch.Tensor) -> None:
+    mlp = ResidualMLP(llama, 1).train()
+    evaluate(llama, {1: mlp}, sampled_NT, max_chunks=1)
+    assert mlp.training and not llama.model.training
+
+
+def test_encoder_cosine(bert: Teacher) -> None:
+    ids_NT = torch.randint(0, VOCAB, (N, T), generator=torch.Generator().manual_seed(2))
+    result = evaluate(bert, _copies(bert, [1]), ids_NT, batch_size=4)
+    assert result.kind == "encoder" and result.num_tokens == N * T
+    assert result.teacher == pytest.approx(1.0, abs=1e-6)
+    assert result.student == pytest.approx(1.0, abs=1e-5)
+    assert result.per_layer[1] == pytest.approx(1.0, abs=1e-5)
+    mlp_result = evaluate(bert, {1: ResidualMLP(bert, 1)}, ids_NT, batch_size=4)
+    assert mlp_result.student < 0.999
+
+
+def test_eval_result_dict_round_trip() -> None:
+    result = EvalResult(kind="lm", teacher=10.0, student=12.0, per_layer={0: 11.0}, num_tokens=5)
+    import json
+
+    assert EvalResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert result.relative_gap == pytest.approx(0.2)
+
+
+def test_empty_heldout_is_a_clear_error(llama: Teacher) -> None:
+    with pytest.raises(ValueError, match="heldout"):
+        evaluate(llama, {}, torch.empty(0, T, dtype=torch.int64))

@@ -1,0 +1,146 @@
+"""distill.model.tiny: the offline teacher is built once, cached atomically, and has learned."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from distill.model import tiny
+from distill.model.data import (
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_SPLIT_SEED,
+    build_chunks,
+    load_documents,
+)
+from distill.model.teacher import Teacher
+
+SMALL = {
+    "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 32,
+    "vocab_size": 300, "train_steps": 30, "batch_size": 8,
+}
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_cache")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(cache_root: Path) -> str:
+    return tiny.tiny_teacher_dir(str(cache_root), **SMALL)
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_loads_back_offline(teacher_dir: str, cache_root: Path, offline: None) -> None:
+    assert Path(teacher_dir).parent == cache_root
+    assert Path(teacher_dir).name.startswith("tiny-")
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    assert isinstance(model, LlamaForCausalLM)
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 2)
+    assert len(tokenizer) == model.config.vocab_size == 300
+    assert tokenizer.eos_token == tiny.EOS_TOKEN and tokenizer.pad_token == tiny.PAD_TOKEN
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    text = "def f(x):\n    return x ** 2  # ünïcode"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # byte-level: lossless
+    assert Teacher.from_pretrained(teacher_dir).family == "llama"
+
+
+def test_second_call_hits_the_cache(
+    teacher_dir: str, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*_args) -> None:
+        raise AssertionError("rebuilt a cached teacher")
+
+    monkeypatch.setattr(tiny, "_build", fail)
+    start_s = time.perf_counter()
+    assert tiny.tiny_teacher_dir(str(cache_root), **SMALL) == teacher_dir
+    assert time.perf_counter() - start_s < 0.5
+    assert sorted(p.name for p in cache_root.iterdir() if p.is_dir()) == [Path(teacher_dir).name]
+
+
+def test_each_argument_has_its_own_cache_entry() -> None:
+    base = tiny.TinyRecipe(**SMALL, lr=3e-3, seed=0)
+    assert base.digest() == tiny.TinyRecipe(**SMALL, lr=3e-3, seed=0).digest()
+    assert base.digest() != tiny.TinyRecipe(**SMALL, lr=3e-3, seed=1).digest()
+    assert base.digest() != tiny.TinyRecipe(**{**SMALL, "train_steps": 31}, lr=3e-3, seed=0).digest()
+
+
+def test_cache_root_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DISTILL_CACHE", str(tmp_path))
+    assert tiny._cache_root(None) == str(tmp_path)
+    assert tiny._cache_root("/x/y") == "/x/y"
+    monkeypatch.delenv("DISTILL_CACHE")
+    assert tiny._cache_root(None) == os.path.expanduser("~/.cache/distill")
+
+
+def test_heldout_loss_drops(teacher_dir: str) -> None:
+    metrics = json.loads((Path(teacher_dir) / tiny.METRICS_FILE).read_text())
+    assert metrics["heldout_loss_after"] < metrics["heldout_loss_before"] - 0.5
+    assert metrics["recipe"]["train_steps"] == SMALL["train_steps"]
+    # recompute independently: the saved model against a fresh init of the same config
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    chunks = build_chunks(
+        tokenizer, load_documents("pydoc"), SMALL["seq_len"], DEFAULT_HELDOUT_FRACTION,
+        DEFAULT_SPLIT_SEED, max_heldout_chunks=32,
+    )
+    trained = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    torch.manual_seed(0)
+    untrained = LlamaForCausalLM(trained.config)
+    assert tiny.heldout_loss(trained, chunks.heldout_NT) < tiny.heldout_loss(untrained, chunks.heldout_NT)
+
+
+def test_rejects_impossible_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"`vocab_size=100`"):
+        tiny.tiny_teacher_dir(str(tmp_path), **{**SMALL, "vocab_size": 100})
+    with pytest.raises(ValueError, match=r"`hidden_size=30`"):
+        tiny.tiny_teacher_dir(str(tmp_path), **{**SMALL, "hidden_size": 30})
+    assert not any(tmp_path.iterdir())
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash(_recipe, out_dir: str) -> None:
+        Path(out_dir, "partial").write_text("half-written")
+        raise RuntimeError("crash mid-build")
+
+    monkeypatch.setattr(tiny, "_build", crash)
+    with pytest.raises(RuntimeError, match="crash mid-build"):
+        tiny.tiny_teacher_dir(str(tmp_path), **SMALL)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def _build_in_child(cache_dir: str, result_file: str) -> None:
+    """Child process: build the teacher, counting how often it was really built."""
+    torch.set_num_threads(1)  # two children share the cores
+    built = []
+    real_build = tiny._build
+
+    def counting_build(recipe, out_dir: str) -> None:
+        built.append(out_dir)
+        real_build(recipe, out_dir)
+
+    tiny._build = counting_build
+    path = tiny.tiny_teacher_dir(cache_dir, **{**SMALL, "train_steps": 5, "seed": 1})
+    Path(result_file).write_text(json.dumps({"path": path, "built": len(built)}))
+
+
+def test_concurrent_first_calls_build_once(tmp_path: Path, procs) -> None:
+    results = [tmp_path / f"result{i}.json" for i in range(2)]
+    children = [procs.start(_build_in_child, str(tmp_path / "cache"), str(r)) for r in results]
+    for child in children:
+        procs.join(child, timeout_s=120)
+    outcomes = [json.loads(r.read_text()) for r in results]
+    assert outcomes[0]["path"] == outcomes[1]["path"]
+    assert sum(o["built"] for o in outcomes) == 1
+    assert (Path(outcomes[0]["path"]) / "model.safetensors").exists()

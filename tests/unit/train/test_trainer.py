@@ -1,0 +1,152 @@
+"""The stage trainer against a real broker and a real teacher worker (threads of this process):
+a stage trains, validates, checkpoints, resumes at its checkpoint, stops on patience, and
+records itself; its loss is the reference formula."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from distill.pipeline import Broker, Worker
+from distill.train import checkpoint as ckpt
+from distill.train.context import METRICS_FILE, StudentContext
+from distill.train.stages import stage_layout
+from distill.train.targets import TeacherTargets
+from distill.train.trainer import StageTrainer, cosine_lr, layer_loss, train_stage
+from distill.train.transport import broker_kwargs, control_client, worker_kwargs
+from tests.tiny_teachers import tiny_llama
+from tests.unit.test_config import _compose
+
+SEQ_LEN = 16
+VOCAB = 96
+
+
+def _cfg(tmp_path: Path, *overrides: str) -> DictConfig:
+    socket_dir = tmp_path / "sock"
+    socket_dir.mkdir(mode=0o700, exist_ok=True)
+    return _compose(["mode=student", "replacement=mlp", f"data.seq_len={SEQ_LEN}", "student.micro_batch_size=4",
+                     "student.steps_per_stage=6", "student.checkpoint_every_steps=3", "student.log_every_steps=1",
+                     "student.lr=1e-2", "pipeline.slot_count=8", "pipeline.worker_max_batch=4",
+                     "pipeline.heartbeat_interval_s=0.2", f"pipeline.socket_dir={socket_dir}",
+                     f"checkpoint_dir={tmp_path / 'ckpt'}", "run_id=trainertest", *overrides])
+
+
+@pytest.fixture
+def pipeline_for(tmp_path: Path) -> Iterator:
+    """Starts a broker and one teacher worker for a config; stops them after the test."""
+    started: list = []
+
+    def start(cfg: DictConfig, teacher) -> None:
+        _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
+        train_NT = torch.randint(0, VOCAB, (64, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        broker = Broker(**broker_kwargs(cfg)).start()
+        worker = Worker(batch_fn=TeacherTargets(teacher, train_NT, seed=0), batch_config=batch_config,
+                        **worker_kwargs(cfg)).start()
+        started.extend([worker, broker])
+
+    yield start
+    for part in started:
+        part.stop()
+
+
+def _context(cfg: DictConfig, teacher, out_dir: Path) -> StudentContext:
+    stages, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
+    client = control_client(cfg, 0, batch_config)
+    client.hello()
+    heldout_NT = torch.randint(0, VOCAB, (8, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    out_dir.mkdir(exist_ok=True)
+    return StudentContext(cfg, 0, 1, torch.device("cpu"), teacher, client, batch_config, heldout_NT,
+                          Path(cfg.checkpoint_dir), out_dir, stages)
+
+
+def _events(out_dir: Path, event: str) -> list[dict]:
+    lines = (out_dir / METRICS_FILE).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def test_a_stage_trains_validates_checkpoints_and_records_itself(tmp_path: Path, pipeline_for) -> None:
+    cfg = _cfg(tmp_path, "student.val_every_steps=2")
+    teacher = tiny_llama(VOCAB, 2)
+    pipeline_for(cfg, teacher)
+    ctx = _context(cfg, teacher, tmp_path / "run")
+    try:
+        trainer = StageTrainer(ctx, ctx.stages[1])
+        train_stage(trainer)
+    finally:
+        ctx.client.close()
+    train = _events(ctx.out_dir, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and all(r["layers"] == [1] for r in train)
+    assert all(math.isfinite(r["loss"]) and r["samples_per_s"] > 0 for r in train)
+    vals = _events(ctx.out_dir, "val")
+    assert [r["step"] for r in vals] == [2, 4, 6] and vals[-1]["layer_losses"]["1"] < vals[0]["layer_losses"]["1"]
+    (end,) = _events(ctx.out_dir, "stage_end")
+    assert end["steps"] == 6 and end["stopped"] == "steps" and end["tokens"] == 6 * 4 * SEQ_LEN
+    assert 0.0 <= end["wait_fraction"] <= 1.0 and end["delivered_samples_per_s"] > 0
+    directory = ctx.checkpoint_dir
+    assert ckpt.read_progress(directory)["finished"] == [1]
+    assert (directory / "stage_1" / "replacement.safetensors").exists()
+    assert ckpt.has_training_state(directory, 1)  # the step-3 checkpoint of the stage
+    assert json.loads((directory / "current" / "state.json").read_text())["step"] == 3
+    for key in ("stage_setup_s", "validation_s", "checkpoint_s", "student_compute_s"):
+        assert ctx.timings[key] > 0, key
+
+
+def test_a_stage_resumes_at_its_checkpoint(tmp_path: Path, pipeline_for) -> None:
+    cfg = _cfg(tmp_path)
+    teacher = tiny_llama(VOCAB, 1)
+    pipeline_for(cfg, teacher)
+    ctx = _context(cfg, teacher, tmp_path / "run")
+    try:
+        train_stage(StageTrainer(ctx, ctx.stages[0]))  # leaves its step-3 checkpoint behind
+        resumed = StageTrainer(ctx, ctx.stages[0])
+        resumed.setup()
+        assert resumed.start_step == 3
+        state = json.loads((ctx.checkpoint_dir / "current" / "state.json").read_text())
+        assert resumed.scheduler.last_epoch == state["scheduler"]["last_epoch"] == 3
+        resumed.train()
+        resumed.cleanup()
+    finally:
+        ctx.client.close()
+    steps = [r["step"] for r in _events(ctx.out_dir, "train")]
+    assert steps == [1, 2, 3, 4, 5, 6, 4, 5, 6], "the resumed stage trains only the steps after its checkpoint"
+
+
+def test_patience_ends_a_stage_that_stops_improving(tmp_path: Path, pipeline_for) -> None:
+    cfg = _cfg(tmp_path, "student.val_every_steps=1", "student.patience=1", "student.min_delta=100")
+    teacher = tiny_llama(VOCAB, 1)
+    pipeline_for(cfg, teacher)
+    ctx = _context(cfg, teacher, tmp_path / "run")
+    try:
+        train_stage(StageTrainer(ctx, ctx.stages[0]))
+    finally:
+        ctx.client.close()
+    (end,) = _events(ctx.out_dir, "stage_end")
+    assert end["stopped"] == "patience" and end["steps"] == 2  # the first validation sets the best
+
+
+@pytest.mark.parametrize("kind", ["nmse", "cosine"])
+def test_layer_loss_is_the_reference_formula(kind: str) -> None:
+    torch.manual_seed(0)
+    pred, target = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    if kind == "nmse":
+        expected = F.mse_loss(pred, target) / target.pow(2).mean()
+    else:
+        expected = 1 - F.cosine_similarity(pred, target, dim=-1).mean()
+    torch.testing.assert_close(layer_loss(pred, target, kind), expected)
+    assert layer_loss(target, target, kind) < 1e-6
+    with pytest.raises(ValueError, match="student.loss"):
+        layer_loss(pred, target, "l1")
+
+
+def test_cosine_schedule_warms_up_then_decays_to_its_floor() -> None:
+    lrs = [cosine_lr(step, total=20, warmup=5, min_ratio=0.1) for step in range(25)]
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    assert lrs[20] == pytest.approx(0.1) and lrs[24] == pytest.approx(0.1)
