@@ -4,6 +4,7 @@ The broker never touches sample data. Its parts, each owning one decision:
 
     config.py    BrokerConfig: every setting and limit, typed and frozen
     service.py   Broker: lifecycle, the poll loop, the guarded routing of every message
+    ingress.py   reading the sockets fairly: large messages parked per peer, bounded
     frontend.py  students' HELLO / REQUEST / HEARTBEAT / BYE, their liveness
     backend.py   workers' READY / DONE / HEARTBEAT / BYE, their liveness and quarantine
     control.py   leaders' SET_MODEL / STOP
