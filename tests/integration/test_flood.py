@@ -25,7 +25,7 @@ from tests.procfs import rss_bytes
 log = logging.getLogger(__name__)
 pytestmark = pytest.mark.timeout(120)
 
-QUIET_S, FLOOD_S = 2.0, 3.0
+QUIET_S, FLOOD_S = 1.5, 2.5
 MAX_STATS_WAIT_S = 1.0
 MAX_RSS_GROWTH = 200 * 2**20
 MIN_SHARE = 0.1

@@ -189,7 +189,7 @@ def _normal_run(endpoints: dict[str, str], samples: int = 40) -> None:
 
 
 # --------------------------------------------------------------------------- hostile shapes (issue 21)
-HOSTILE_ROUNDS = 3
+HOSTILE_ROUNDS = 2
 HOSTILE_PER_ROUND = 250
 HUGE_COUNTS = [100_000, 2**40, 2**62, 2**63 - 1]
 
