@@ -8,7 +8,7 @@ nothing from the rest of distill.
 import logging
 
 from distill.pipeline.batch import DTYPES, BatchConfig, TensorSpec
-from distill.pipeline.broker import Broker
+from distill.pipeline.broker import Broker, BrokerConfig
 from distill.pipeline.client import SampleRef, SlotPool, StudentClient
 from distill.pipeline.dataset import DistillIterableDataset
 from distill.pipeline.endpoints import default_endpoint
@@ -18,7 +18,7 @@ from distill.pipeline.stats import BrokerStats
 from distill.pipeline.worker import SlotTarget, Worker
 
 __all__ = [
-    "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerStats", "Command",
+    "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerConfig", "BrokerStats", "Command",
     "DistillIterableDataset", "Medium", "MediumBase", "ProtocolError", "SampleRef",
     "SharedMemoryManager", "ShmSpaceError", "SlotPool", "SlotTarget", "StudentClient",
     "TensorSpec", "Worker", "default_endpoint", "setup_logging",

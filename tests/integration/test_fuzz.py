@@ -30,9 +30,10 @@ from distill.modes.stats import fetch_stats
 from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.notices import lane_path
-from distill.pipeline.protocol import Command, ProtocolError
+from distill.pipeline.protocol import PROTOCOL_TAG, Command, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
 from tests import peers
+from tests.hostile import deep_map, raw_body, request, set_model
 from tests.mutants import Mutator, Targets
 from tests.procfs import rss_bytes, shm_mappings, steady_growth
 
@@ -108,9 +109,11 @@ def test_broker_survives_fuzzing_on_every_socket(seed, procs, endpoints) -> None
                 sock.close(0)
 
 
-def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, endpoint: str, identity: str | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
     sock.connect(endpoint)
     return sock
 
@@ -183,6 +186,102 @@ def _normal_run(endpoints: dict[str, str], samples: int = 40) -> None:
             assert ref.generation == generation
             assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
             client.release_slot(ref.slot_id)
+
+
+# --------------------------------------------------------------------------- hostile shapes (issue 21)
+HOSTILE_ROUNDS = 2
+HOSTILE_PER_ROUND = 250
+HUGE_COUNTS = [100_000, 2**40, 2**62, 2**63 - 1]
+
+
+def _hostile_message(rng: random.Random, own: str, other: str, other_medium: str) -> tuple[str, list[bytes]]:
+    """One well-formed message whose content is hostile: huge counts, deep or huge
+    model_cfg, another connection's peer id or medium, slots and strides past the caps.
+    ``own``/``other``: the peer ids of this connection and of the other one."""
+    shape = rng.randrange(10)
+    huge = rng.choice(HUGE_COUNTS)
+    if shape == 0:
+        return "backend", protocol.encode(Command.READY, {"peer_id": own, "credit": huge, "max_batch": huge})
+    if shape == 1:
+        return "backend", protocol.encode(Command.DONE, {"peer_id": rng.choice([own, other]), "num_items": huge,
+                                                         "work_id": rng.randrange(1, 64), "failed": []})
+    if shape == 2:
+        depth = rng.choice([33, 100, 1000])
+        return "control", [PROTOCOL_TAG, Command.SET_MODEL.value, raw_body(
+            set_model(run_id=rng.choice(["fan-a", "fan-b"]), share_model=True), {"model_cfg": deep_map(depth)})]
+    if shape == 3:
+        cfg = rng.choice([{"x": list(range(20_000))}, {"x": "y" * 100_000}, {f"k{i}": i for i in range(9000)}])
+        return "control", protocol.encode(Command.SET_MODEL, set_model(run_id="fan-a", model_cfg=cfg)) \
+            if _encodable(cfg) else [PROTOCOL_TAG, Command.SET_MODEL.value,
+                                    raw_body(set_model(run_id="fan-a"), {"model_cfg": msgpack.packb(cfg)})]
+    if shape == 4:
+        return "frontend", protocol.encode(Command.REQUEST, request(own, other_medium, [[0, rng.randrange(2**40)]]))
+    if shape == 5:
+        slot_idx, stride = rng.choice([(2**40, 4160), (0, 2**62), (2**20, 4160), (1, 65), (0, 2**63 - 1)])
+        return "frontend", protocol.encode(Command.REQUEST, request(own, f"dst_hostile_{own[-1]}_1",
+                                                                    [[slot_idx, rng.randrange(2**40)]], stride=stride))
+    if shape == 6:
+        command = rng.choice([Command.HELLO, Command.BYE])
+        body = {"peer_id": other} | ({"run_id": "default"} if command is Command.HELLO else {})
+        return "frontend", protocol.encode(command, body)
+    if shape == 7:
+        return "backend", protocol.encode(Command.BYE, {"peer_id": other})
+    if shape == 9:  # slots in the fan-out runs whose model_cfg is hostile: dispatch compares them
+        run_id = rng.choice(["fan-a", "fan-b"])
+        return "frontend", protocol.encode(Command.REQUEST, request(
+            f"{own}-{run_id}", f"dst_hostile_{own[-1]}{run_id[-1]}_1", [[rng.randrange(64), rng.randrange(2**40)]],
+            run_id=run_id))
+    many = 65536 if rng.random() < 0.05 else 8192  # (the broker takes large messages at 10% of its time)
+    return "frontend", protocol.encode(Command.REQUEST, request(own, f"dst_hostile_{own[-1]}_1",
+                                                                [[i % 1024, rng.randrange(2**40)] for i in range(many)]))
+
+
+def _encodable(cfg: dict) -> bool:
+    try:
+        protocol.encode(Command.SET_MODEL, set_model(model_cfg=cfg))
+    except ProtocolError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_broker_survives_hostile_shapes_from_two_connections(seed, procs, endpoints) -> None:
+    """Each of two connections per socket registers a peer id and a medium, then sends
+    well-formed hostile messages naming its own and the other's: the broker refuses or caps
+    every one (no handler raises: STATS errors stays 0), stays within its memory, and
+    serves a normal run exactly afterwards."""
+    broker = procs.start(peers.run_broker, endpoints, name="broker")
+    procs.start(peers.run_worker, endpoints, name="worker")
+    rng = random.Random(seed)
+    ids = ["hostile-a", "hostile-b"]
+    socks = {name: [_dealer(zmq.Context.instance(), endpoints[name], identity) for identity in ids]
+             for name in BROKER_COMMANDS}
+    try:
+        for i, own in enumerate(ids):  # each binds its ids and its medium first
+            protocol.send(socks["frontend"][i], Command.REQUEST, request(own, f"dst_hostile_{own[-1]}_1", [[0, 1]]))
+            protocol.send(socks["backend"][i], Command.READY, {"peer_id": own, "credit": 4, "max_batch": 2})
+        rss = []
+        for _ in range(HOSTILE_ROUNDS):
+            for n in range(HOSTILE_PER_ROUND):
+                i = rng.randrange(2)
+                name, frames = _hostile_message(rng, ids[i], ids[1 - i], f"dst_hostile_{ids[1 - i][-1]}_1")
+                _send(socks[name][i], frames, broker, seed)
+                if n % BURST == BURST - 1:
+                    for dealers in socks.values():
+                        _drain_all(dealers)
+            _sync_broker(socks)
+            assert broker.is_alive(), f"broker died (exit code {broker.exitcode}); seed {seed}"
+            rss.append(rss_bytes(broker.pid))
+        stats = fetch_stats(endpoints["frontend"])
+        assert stats["errors"] == 0, f"a handler raised on a hostile message (seed {seed}): {stats}"
+        assert stats["foreign"] > 0 and stats["bad_messages"] > 0, stats
+        assert max(rss) - rss[0] < 64 * 2**20, f"broker grew {rss} (seed {seed})"
+        _normal_run(endpoints)
+        assert broker.is_alive()
+    finally:
+        for dealers in socks.values():
+            for sock in dealers:
+                sock.close(0)
 
 
 # --------------------------------------------------------------------------- worker
