@@ -493,11 +493,12 @@ class Broker:
         run = self._run(body["run_id"])
         self._check_leader(run, body["leader_epoch"], body["peer_id"])
         restore = body.get("restore_generation")
-        _check_generation_room(run, restore)
+        floor = body.get("min_generation") or 0  # a switch: above every generation the leader knows
+        _check_generation_room(run, max(restore or 0, floor))
         if restore is not None and restore >= run.generation:
             run.generation = restore  # a leader re-joining a restarted broker
         else:
-            run.generation += 1
+            run.generation = max(run.generation + 1, floor)
         run.model_id, run.model_cfg = body["model_id"], body.get("model_cfg")
         run.share_model = bool(body.get("share_model"))
         log.info("run %s: model %s, generation %d", run.run_id, run.model_id, run.generation)

@@ -59,7 +59,10 @@ requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
 slots you asked of this process directly"; the student quarantines those too and
 frees each when that worker's late answer to it (notice or DECLINED) comes.
 SET_MODEL carries the leader's epoch: a switch from an older epoch than the run has
-seen is refused.
+seen is refused. A switch also carries ``min_generation`` (the leader's newest generation
++ 1): the new model's generation is above both the run's and that, so a broker that
+restarted (and counts from 0 again) never gives a new model an older model's number; a
+restore (``restore_generation``) puts the leader's model back at its own number.
 
 Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
 (equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
@@ -168,8 +171,8 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.QUARANTINE: {"slots": "slots", "process": "str?", "direct": "bool?"},
     Command.RELEASE: {"slots": "slots"},
     Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
-                        "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str",
-                        "share_model": "bool?"},
+                        "restore_generation": "int?", "min_generation": "int?", "leader_epoch": "int",
+                        "peer_id": "str", "share_model": "bool?"},
     Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
     Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
     Command.STOP: {"run_id": "str?"},
