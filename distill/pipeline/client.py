@@ -320,7 +320,7 @@ class StudentClient:
         self._keeper.start()
 
     def _keep_model(self) -> None:
-        heart = self._pool._heart
+        heart = self._pool.heart
         known = heart.broker_id
         while not self._sub_stop.wait(heart.interval_s):
             broker_id = heart.broker_id

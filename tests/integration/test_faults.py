@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker
-from distill.pipeline import pool as pool_module
+from distill.pipeline import delivery as delivery_module
 from distill.pipeline.slots import SlotState
 from tests import peers
 
@@ -108,8 +108,8 @@ def test_a_frozen_worker_resumed_late_never_corrupts_a_yielded_sample(procs, end
 
 
 def test_a_generator_that_always_fails_ends_in_a_clear_error(monkeypatch, endpoints, broker_kwargs) -> None:
-    monkeypatch.setattr(pool_module, "BACKOFF_MAX_S", 0.01)
-    monkeypatch.setattr(pool_module, "MAX_CONSECUTIVE_FAILURES", 40)
+    monkeypatch.setattr(delivery_module, "BACKOFF_MAX_S", 0.01)
+    monkeypatch.setattr(delivery_module, "MAX_CONSECUTIVE_FAILURES", 40)
     broker = Broker(**broker_kwargs).start()
 
     def broken(model_id: str, model_cfg: dict | None) -> bytes:

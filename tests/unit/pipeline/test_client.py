@@ -98,7 +98,7 @@ def test_requests_have_random_ids_consecutive_fills_and_asked_headers(tmp_path) 
         assert all(read_claim(pool.medium.slot_view(r.idx)) == (0, r.request_id) for r in records)
         with pytest.raises(IndexError, match="not a slot handed out"):
             pool.release_many([0])  # PENDING, not OUT
-        assert pool.config.pending_deadline_s is None and pool._deadline_s() >= 2 * 3 * 1.0
+        assert pool.config.pending_deadline_s is None and pool.custody.deadline_s() >= 2 * 3 * 1.0
     finally:
         pool.close()
     with pytest.raises(ValueError, match="pending_deadline_s"):
