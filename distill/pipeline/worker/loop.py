@@ -357,10 +357,7 @@ class Worker:
                     if (waiting := self._filler.add_targets(body, generation, runs, failed, idxs))]
             targets = [target for run in runs for target in run.targets]
             if left and not targets:  # our own claims still pending commit fill the shares
-                if self._deferred is None:
-                    _fail_waiting(left, failed, "over the student's share of writers")
-                    left = []
-                self._finish_deferred(sock)
+                left = self._make_room(sock, left, failed)
                 continue
             deferred = self._generate(model_id, first.get("model_cfg"), targets, runs, failed)
             self._finish_deferred(sock)  # the previous batch's copies ran during this fill
@@ -371,6 +368,20 @@ class Worker:
             self._send_done(sock, group, failed)
         else:
             self._deferred = group, failed, deferred
+
+    def _make_room(self, sock: zmq.Socket, left: list[tuple[dict, list[int]]],
+                   failed: Failures) -> list[tuple[dict, list[int]]]:
+        """Nothing more of a group can be claimed: commit the batch left in flight (its
+        claims count against the shares); with none, this worker holds no claim at all,
+        so counts that say otherwise are reset (once; then the rest fails)."""
+        if self._deferred is not None:
+            self._finish_deferred(sock)
+            return left
+        if self._segments.reset_claims():
+            log.error("worker %s: claim counts were out of step with its batches; reset", self.peer_id)
+            return left
+        _fail_waiting(left, failed, "over the student's share of writers")
+        return []
 
     def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
                   runs: list[Run], failed: Failures) -> Deferred | None:

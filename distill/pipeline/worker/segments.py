@@ -138,6 +138,13 @@ class Segments:
         views = segment.slots[slot_idx] = payload, None if self._decode is None else self._decode(payload)
         return views
 
+    def reset_claims(self) -> bool:
+        """Outside a batch this worker claims nothing: zero every count; True if one was not."""
+        stale = [segment for segment in self._segments.values() if segment.claimed]
+        for segment in stale:
+            segment.claimed = 0
+        return bool(stale)
+
     def drop_unlinked(self) -> None:
         """Unmap segments whose owner unlinked them, at most every SEGMENT_RECHECK_S."""
         if time.monotonic() - self._checked < SEGMENT_RECHECK_S:

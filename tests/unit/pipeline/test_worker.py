@@ -90,7 +90,7 @@ def test_a_claim_needs_the_asked_fill_and_no_other_live_writer(segment) -> None:
 
 
 def test_the_owners_fair_share_bounds_a_writers_claims(segment) -> None:
-    owner, _segments, mapped = segment
+    owner, _segments, mapped = segment  # noqa: RUF059
     me = new_writer_id()
     HeaderTable(owner.buf, STRIDE).ask([0, 1, 2, 3], [1, 2, 3, 4])
     owner.set_max_claims(3)
@@ -101,6 +101,8 @@ def test_the_owners_fair_share_bounds_a_writers_claims(segment) -> None:
     assert (taken, later) == ([0], [1])  # slot 3 waits for a later batch
     claims.settle(mapped, 3)
     assert mapped.room() == 3
+    mapped.claimed = 2  # counts out of step with the batches (a bug): reset between batches
+    assert _segments.reset_claims() and mapped.claimed == 0 and not _segments.reset_claims()
     owner.set_max_claims(0)
     assert mapped.room() is None
 
