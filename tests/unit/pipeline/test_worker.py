@@ -90,7 +90,7 @@ def test_a_claim_needs_the_asked_fill_and_no_other_live_writer(segment) -> None:
 
 
 def test_the_owners_fair_share_bounds_a_writers_claims(segment) -> None:
-    owner, _segments, mapped = segment  # noqa: RUF059
+    owner, segments, mapped = segment
     me = new_writer_id()
     HeaderTable(owner.buf, STRIDE).ask([0, 1, 2, 3], [1, 2, 3, 4])
     owner.set_max_claims(3)
@@ -102,7 +102,7 @@ def test_the_owners_fair_share_bounds_a_writers_claims(segment) -> None:
     claims.settle(mapped, 3)
     assert mapped.room() == 3
     mapped.claimed = 2  # counts out of step with the batches (a bug): reset between batches
-    assert _segments.reset_claims() and mapped.claimed == 0 and not _segments.reset_claims()
+    assert segments.reset_claims() and mapped.claimed == 0 and not segments.reset_claims()
     owner.set_max_claims(0)
     assert mapped.room() is None
 
