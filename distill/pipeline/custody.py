@@ -43,7 +43,8 @@ DEADLINE_LATENCIES = 8
 DEADLINE_HEARTBEATS = 2
 """... and at least this many times the broker's liveness window (interval x liveness)."""
 MAX_DEADLINE_DOUBLINGS = 4
-"""A slot overdue again and again waits up to 2**4 deadlines before it is looked at again."""
+"""A slot found overdue n times in a row is looked at again 2**n deadlines after its request
+(at most 2**4)."""
 STALL_DEADLINES = 4
 """A slot counts as overdue once a fill asked after it has been accepted (the pool makes
 progress without it); with no progress at all (no worker yet, a slow start), only after
@@ -198,7 +199,8 @@ class Custody:
         pool = self.pool
         alive: dict[Any, bool] = {}
         overdue: list[SlotRecord] = []
-        stalled = now - STALL_DEADLINES * self.deadline_s()
+        deadline = self.deadline_s()
+        stalled = now - STALL_DEADLINES * deadline
         progress = pool.delivery.progress_asked
         for record in pool.slots.records:
             state = record.state
@@ -208,7 +210,8 @@ class Custody:
             elif state is PENDING:
                 if record.route is not Route.BROKER and not _holder_alive(record.holder, alive):
                     pool.resend(record)
-                elif record.deadline < now and (record.asked < progress or record.asked < stalled):
+                elif (now - record.asked > deadline * 2 ** min(record.overdue, MAX_DEADLINE_DOUBLINGS)
+                      and (record.asked < progress or record.asked < stalled)):
                     overdue.append(record)
         if overdue:
             self._look_at_overdue(overdue, now)
@@ -232,8 +235,7 @@ class Custody:
                 else:
                     delivery.refuse(record, header.generation, notice=False)
                 continue
-            if delivery.left_to_writer(record, view):
-                record.deadline = now + self._backed_off(record)
+            if delivery.left_to_writer(record, view):  # looked at again 2**overdue deadlines after its ask
                 waiting += 1
                 continue
             asked.append(record)
@@ -247,14 +249,7 @@ class Custody:
                                       "(a lost or unanswered request); asking again", pool.peer_id, len(asked),
                                       self.deadline_s())
             for record in asked:
-                overdue = record.overdue
-                pool.ask_again(record, keep_request=True)
-                record.overdue = overdue
-                record.deadline = now + self._backed_off(record)
-
-    def _backed_off(self, record: SlotRecord) -> float:
-        """The next wait of a slot overdue ``record.overdue`` times in a row."""
-        return self.deadline_s() * 2 ** min(record.overdue, MAX_DEADLINE_DOUBLINGS)
+                pool.ask_again(record, keep_request=True)  # keeps its overdue count: the next wait doubles
 
     def deadline_s(self) -> float:
         """How long a slot may stay PENDING (``PoolConfig.pending_deadline_s``)."""

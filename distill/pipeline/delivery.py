@@ -32,7 +32,8 @@ BACKOFF_MAX_S = 0.5
 MAX_CONSECUTIVE_FAILURES = 200
 """Failed fills in a row after which the student gives up with an error instead of spinning."""
 DATA_WAIT_S = 30.0
-"""Network medium: how long a COMPLETE slot waits for its data before it is asked for again."""
+"""Network medium: how long (from its request) a COMPLETE slot waits for its data before it
+is asked for again."""
 MAX_KNOWN_PROCESSES = 1024
 LATENCY_WEIGHT = 0.1
 """Weight of each new fill time in the moving average of fill times."""
@@ -64,10 +65,11 @@ class Delivery:
         if pool.data_socket is not None:
             self.receive_data()  # the data of these slots may be waiting on the data socket
         table = pool.slots
+        known, count = table.records, len(table.records)
         records, reqs = [], []
         for slot, req, ok in rows:
-            record = table.pending(slot, req)
-            if record is None:
+            record = known[slot] if slot < count else None  # (slot >= 0: checked by the protocol)
+            if record is None or record.state is not PENDING or record.request_id != req:
                 if not (notice and pool.custody.settle_late(slot, req)):
                     pool.counts["rejected"] += 1  # not what we asked for (late or foreign)
                 continue
@@ -105,10 +107,8 @@ class Delivery:
         writer = header.writer if header is not None else 0
         if writer:
             self.writers[writer] = now
-        for record in records:
-            record.writer = writer
         pool.counts["accepted"] += len(records)
-        pool.slots.accept(records, generation)
+        pool.slots.accept(records, generation, writer)
 
     def refuse(self, record: SlotRecord, generation: int, *, notice: bool) -> None:
         """A completed slot whose header did not pass the quick check: the slow check
@@ -135,7 +135,6 @@ class Delivery:
         pool = self.pool
         if pool.data_socket is not None and not notice:  # its data is on its way
             pool.slots.move(record, AWAITING)
-            record.deadline = time.monotonic() + DATA_WAIT_S
             record.generation = generation
             return
         pool.counts["rejected"] += 1
@@ -218,7 +217,7 @@ class Delivery:
     def expire_awaiting(self) -> None:
         pool = self.pool
         now = time.monotonic()
-        for record in [r for r in pool.slots.records if r.state is AWAITING and r.deadline < now]:
+        for record in [r for r in pool.slots.records if r.state is AWAITING and now - r.asked > DATA_WAIT_S]:
             pool.counts["rejected"] += 1
             self._refusals.warning("%s: slot %d completed but its data never came in %.0fs; asking again",
                                    pool.peer_id, record.idx, DATA_WAIT_S)

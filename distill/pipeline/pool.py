@@ -56,7 +56,7 @@ from distill.pipeline.notices import NoticeInbox, encode_datagram
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, slot_stride
-from distill.pipeline.slots import OUT, PENDING, Route, SlotRecord, SlotTable
+from distill.pipeline.slots import PENDING, Route, SlotRecord, SlotTable
 from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class SlotPool:
 
     def request_free(self) -> None:
         """Ask for every FREE slot to be filled (sent on the next flush)."""
-        self.ask(list(self.slots.free))
+        self.ask(list(self.slots.free), from_free=True)
 
     def release(self, slot_idx: int) -> None:
         """An OUT slot comes back: ask for it again (batched)."""
@@ -192,18 +192,13 @@ class SlotPool:
 
     def release_many(self, slot_idxs: list[int]) -> None:
         """OUT slots come back: ask for them again (sent on the next flush)."""
-        records = self.slots.records
-        for slot_idx in slot_idxs:
-            if not 0 <= slot_idx < len(records) or records[slot_idx].state is not OUT:
-                raise IndexError(f"slot {slot_idx} is not a slot handed out by this pool")
-        self.ask(slot_idxs)
+        self.ask(slot_idxs, handed_out=True)
 
-    def ask(self, slots: list[int]) -> None:
+    def ask(self, slots: list[int], *, from_free: bool = False, handed_out: bool = False) -> None:
         """Ask for fills of ``slots`` (nobody writes them now): fresh requests, headers asked."""
         if not slots:
             return
-        now = time.monotonic()
-        asked = self.slots.ask(slots, now, now + self.custody.deadline_s())
+        asked = self.slots.ask(slots, time.monotonic(), from_free=from_free, handed_out=handed_out)
         self.headers.ask(slots, [record.request_id for record in asked])
 
     def ask_again(self, record: SlotRecord, *, keep_request: bool = False) -> None:
@@ -211,8 +206,7 @@ class SlotPool:
         ``keep_request`` its old request is not lost but asked for in the next slot asked."""
         if record.state is PENDING:
             self.unsend(record)
-        now = time.monotonic()
-        self.slots.renew(record, now, now + self.custody.deadline_s(), keep_request=keep_request)
+        self.slots.renew(record, time.monotonic(), keep_request=keep_request)
         self.headers.ask([record.idx], [record.request_id])
         if keep_request:
             self.reissue_now()
@@ -314,9 +308,7 @@ class SlotPool:
         the caller's (OUT) until :meth:`release`."""
         ready = self.slots.ready
         if ready and ready[0][1] >= self._generation():
-            entry = ready.popleft()
-            self.slots.take(entry)
-            return entry
+            return self.slots.take_many(1, 0)[0][0]
         got = self.next_ready_many(1, timeout_ms)
         return got[0] if got else None
 
@@ -349,16 +341,10 @@ class SlotPool:
 
     def _take_ready(self, max_count: int) -> list[tuple[int, int, int]]:
         """Pop up to ``max_count`` ready slots (now OUT); stale ones are asked for again."""
-        current = self._generation()
-        table = self.slots
-        got, stale = [], []
-        while table.ready and len(got) < max_count:
-            entry = table.ready.popleft()
-            table.take(entry)
-            (got if entry[1] >= current else stale).append(entry)
+        got, stale = self.slots.take_many(max_count, self._generation())
         if stale:
             self.counts["stale"] += len(stale)
-            self.ask([entry[0] for entry in stale])
+            self.ask(stale)
         return got
 
     def _drain(self) -> None:
@@ -443,7 +429,7 @@ class SlotPool:
     def reissue_now(self) -> None:
         """Slots still FREE (never requested) can carry re-issued requests at once."""
         while self.slots.reissue and self.slots.free:
-            self.ask([self.slots.free[0]])
+            self.ask([self.slots.free[0]], from_free=True)
 
     def _check_refused(self) -> None:
         """A broker that refuses our key never answers: say so instead of waiting forever."""

@@ -207,25 +207,37 @@ def clear_headers(table: np.ndarray, slot_idxs: Sequence[int]) -> None:
     table.view(_RAW_HEADER)[np.asarray(slot_idxs, dtype=np.intp)] = bytes(HEADER_BYTES)
 
 
-def ask_headers(table: np.ndarray, slot_idxs: Sequence[int], request_ids: Sequence[int]) -> None:
+def header_words(table: np.ndarray) -> np.ndarray:
+    """The headers of ``table`` (made by :func:`header_table`) as rows of eight
+    little-endian uint64 words (a view):
+    0 magic|version|flags, 1 generation, 2 request_id, 3 payload_len, 4 checksum, 5
+    writer, 6 claim, 7 fill. Whole-word comparisons and writes are what the hot paths do."""
+    # (``table`` is non-contiguous, so the view is made over the buffer it was made over.)
+    return np.ndarray((len(table), 8), dtype="<u8", buffer=table.base, offset=0, strides=(table.strides[0], 8))
+
+
+_COMMITTED_WORD0 = int.from_bytes(SLOT_MAGIC + SLOT_VERSION.to_bytes(2, "little") + bytes(2), "little")
+"""Word 0 of a committed header without checksum: magic, version, flags 0."""
+
+
+def ask_headers(table: np.ndarray, slot_idxs: Sequence[int], request_ids: Sequence[int],
+                words: np.ndarray | None = None) -> None:
     """The student asks for fills: every field zero but ``fill``, each slot's request id."""
-    records = np.zeros(len(slot_idxs), dtype=HEADER_DTYPE)
-    records["fill"] = request_ids
-    table[np.asarray(slot_idxs, dtype=np.intp)] = records
+    rows = np.zeros((len(slot_idxs), 8), dtype="<u8")
+    rows[:, 7] = request_ids
+    (header_words(table) if words is None else words)[np.asarray(slot_idxs, dtype=np.intp)] = rows
 
 
 def check_slots(table: np.ndarray, slot_idxs: Sequence[int], generation: int,
-                request_ids: Sequence[int], payload_len: int) -> np.ndarray:
+                request_ids: Sequence[int], payload_len: int, words: np.ndarray | None = None) -> np.ndarray:
     """For each slot, True when its header is exactly the one asked for (committed by
     its claimed writer, for that fill) and carries no checksum. A False slot is not
     necessarily bad: ask :func:`check_slot` (which also verifies checksums, and says
     what is wrong)."""
-    headers = table[np.asarray(slot_idxs, dtype=np.intp)]
+    h = (header_words(table) if words is None else words)[np.asarray(slot_idxs, dtype=np.intp)]
     reqs = np.asarray(request_ids, dtype=np.uint64)
-    return ((headers["magic"] == SLOT_MAGIC) & (headers["version"] == SLOT_VERSION)
-            & (headers["flags"] & FLAG_CHECKSUM == 0) & (headers["generation"] == generation)
-            & (headers["request_id"] == reqs) & (headers["payload_len"] == payload_len)
-            & (headers["fill"] == reqs) & (headers["writer"] == headers["claim"]) & (headers["writer"] != 0))
+    return ((h[:, 0] == _COMMITTED_WORD0) & (h[:, 1] == generation) & (h[:, 2] == reqs)
+            & (h[:, 3] == payload_len) & (h[:, 7] == reqs) & (h[:, 5] == h[:, 6]) & (h[:, 5] != 0))
 
 
 FEW_SLOTS = 8
@@ -244,6 +256,8 @@ class HeaderTable:
     def __init__(self, buf: memoryview, stride: int) -> None:
         self.records = header_table(buf, stride)
         """The NumPy record view (every header's fields by name)."""
+        self.words = header_words(self.records)
+        """The same headers as rows of eight uint64 words (``header_words``)."""
         self._buf = buf
         self._stride = stride
         self._count = len(self.records)
@@ -256,7 +270,7 @@ class HeaderTable:
               payload_len: int) -> list[bool]:
         """:func:`check_slots`, as a list."""
         if len(slot_idxs) > FEW_SLOTS:
-            return check_slots(self.records, slot_idxs, generation, request_ids, payload_len).tolist()
+            return check_slots(self.records, slot_idxs, generation, request_ids, payload_len, self.words).tolist()
         matches = []
         for slot, request_id in zip(slot_idxs, request_ids, strict=True):
             magic, version, flags, gen, req, length, writer, claim, fill = _CHECKED.unpack_from(
@@ -269,7 +283,7 @@ class HeaderTable:
     def ask(self, slot_idxs: Sequence[int], request_ids: Sequence[int]) -> None:
         """:func:`ask_headers`: the slots wait for these fills, claimed by nobody."""
         if len(slot_idxs) > FEW_SLOTS:
-            ask_headers(self.records, slot_idxs, request_ids)
+            ask_headers(self.records, slot_idxs, request_ids, self.words)
             return
         for slot, request_id in zip(slot_idxs, request_ids, strict=True):
             offset = self._offset(slot)

@@ -14,7 +14,8 @@ Every slot of a :class:`~distill.pipeline.pool.SlotPool` is exactly one
   is expected by ``route``: from the broker, from a worker's lane (DIRECT, ``holder`` is
   that worker's process token) or from a writer known to hold the slot's claim (WRITER,
   ``holder`` is its writer id: it was writing when the broker restarted or gave up).
-  It has a ``deadline`` (``pool.py``: an overdue slot is looked at and asked for again).
+  ``asked`` is when its request went out; past the pool's deadline from then (doubled
+  each time it was found overdue in a row, ``overdue``) it is looked at (``custody.py``).
 - AWAITING: completed, but its data has not come yet (network medium).
 - READY: checked, waiting in the ready queue for the consumer (``generation`` of it).
 - OUT: handed to the consumer; its views are valid until it is given back.
@@ -32,10 +33,8 @@ queues; tests call it.
 from __future__ import annotations
 
 import enum
-import math
 import secrets
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +68,7 @@ TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
     QUARANTINED: frozenset({PENDING}),
 }
 """Every move a slot may make (the diagram in the module docstring)."""
+_TO_PENDING = frozenset(state for state, allowed in TRANSITIONS.items() if PENDING in allowed)
 
 
 class SlotStateError(AssertionError):
@@ -87,7 +87,6 @@ class SlotRecord:
     route: Route = Route.BROKER
     holder: str | int | None = None
     asked: float = 0.0
-    deadline: float = math.inf
     overdue: int = 0
     """How often in a row this slot's fill was overdue (each time, the next deadline doubles)."""
     late_request: int = 0
@@ -138,35 +137,41 @@ class SlotTable:
         return [record for record in self.records if record.state is state]
 
     # ------------------------------------------------------------------ moves
-    def ask(self, slots: Iterable[int], now: float, deadline: float) -> list[SlotRecord]:
+    def ask(self, slots: list[int], now: float, *, from_free: bool = False,
+            handed_out: bool = False) -> list[SlotRecord]:
         """Move the slots to PENDING with fresh requests (quarantined ones' first), queued
-        to be sent through the broker or a lane. Returns their records."""
-        slots = list(slots)
+        to be sent through the broker or a lane (``from_free``: they were FREE;
+        ``handed_out``: they must be OUT, IndexError otherwise, before any moves). Returns
+        their records. The hot path of every fill: no call per slot."""
         records = self.records
-        reissued = min(len(self.reissue), len(slots))
-        ids = [self.reissue.popleft() for _ in range(reissued)]
-        fresh = random_request_ids(len(slots) - reissued)
+        count = len(records)
+        if handed_out:
+            bad = [slot for slot in slots if not 0 <= slot < count or records[slot].state is not OUT]
+            if bad:
+                raise IndexError(f"slot {bad[0]} is not a slot handed out by this pool")
+        asked = [records[slot] for slot in slots]
+        reissue = self.reissue
+        reissued = min(len(reissue), len(asked)) if reissue else 0
+        fresh = random_request_ids(len(asked) - reissued)
         first = self.next_fill
-        ids += zip(fresh, range(first, first + len(fresh)), strict=True)
         self.next_fill = first + len(fresh)
-        asked = []
-        freed = False
-        for slot, (request_id, fill) in zip(slots, ids, strict=True):
-            record = records[slot]
-            if record.state is not PENDING and PENDING not in TRANSITIONS[record.state]:
-                raise SlotStateError(f"slot {slot}: {record.state.name} -> PENDING")
-            freed |= record.state is FREE
-            record.state = PENDING
-            record.request_id, record.fill = request_id, fill
-            record.route, record.holder = Route.BROKER, None
-            record.asked, record.deadline = now, deadline
-            asked.append(record)
-        if freed:
+        broker, allowed, pending = Route.BROKER, _TO_PENDING, PENDING
+        for record in asked[:reissued]:
+            record.request_id, record.fill = reissue.popleft()
+            if record.state not in allowed:
+                raise SlotStateError(f"slot {record.idx}: {record.state.name} -> PENDING")
+            record.state, record.route, record.holder, record.asked = pending, broker, None, now
+        for record, request_id, fill in zip(asked[reissued:], fresh, range(first, first + len(fresh)), strict=True):
+            if record.state not in allowed:
+                raise SlotStateError(f"slot {record.idx}: {record.state.name} -> PENDING")
+            record.state, record.request_id, record.fill = pending, request_id, fill
+            record.route, record.holder, record.asked = broker, None, now
+        if from_free:
             self.free = deque(slot for slot in self.free if records[slot].state is FREE)
         self.to_send.extend(slots)
         return asked
 
-    def renew(self, record: SlotRecord, now: float, deadline: float, *, keep_request: bool) -> None:
+    def renew(self, record: SlotRecord, now: float, *, keep_request: bool) -> None:
         """Ask for a slot again with a fresh request (never a re-issued one: its header's
         fill must change, so an old writer of the slot finds another fill there). With
         ``keep_request``, its old request is re-issued in the next slot asked for."""
@@ -178,7 +183,7 @@ class SlotTable:
         record.request_id, record.fill = random_request_ids(1)[0], self.next_fill
         self.next_fill += 1
         record.route, record.holder = Route.BROKER, None
-        record.asked, record.deadline = now, deadline
+        record.asked = now
         self.to_send.append(record.idx)
 
     def move(self, record: SlotRecord, state: SlotState) -> None:
@@ -187,22 +192,35 @@ class SlotTable:
             raise SlotStateError(f"slot {record.idx}: {record.state.name} -> {state.name}")
         record.state = state
 
-    def accept(self, records: list[SlotRecord], generation: int) -> None:
-        """PENDING (or AWAITING) slots checked out: READY, in this order."""
+    def accept(self, records: list[SlotRecord], generation: int, writer: int = 0) -> None:
+        """PENDING (or AWAITING) slots checked out, committed by ``writer``: READY, in this order."""
+        ready = self.ready
         for record in records:
-            if record.state is not PENDING and record.state is not AWAITING:
-                raise SlotStateError(f"slot {record.idx}: {record.state.name} -> READY")
+            state = record.state
+            if state is not PENDING and state is not AWAITING:
+                raise SlotStateError(f"slot {record.idx}: {state.name} -> READY")
             record.state = READY
-            record.generation = generation
-            record.overdue = 0
-        self.ready.extend((record.idx, generation, record.request_id) for record in records)
+            record.generation, record.writer = generation, writer
+            if record.overdue:
+                record.overdue = 0
+            ready.append((record.idx, generation, record.request_id))
 
-    def take(self, entry: tuple[int, int, int]) -> None:
-        """A READY slot handed to the consumer."""
-        record = self.records[entry[0]]
-        if record.state is not READY:
-            raise SlotStateError(f"slot {record.idx}: {record.state.name} -> OUT")
-        record.state = OUT
+    def take_many(self, max_count: int, current: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """Hand out up to ``max_count`` READY slots (now OUT), oldest first: the entries of
+        generation ``current`` or newer, and the slots of older ones (stale: to ask again)."""
+        ready, records = self.ready, self.records
+        got, stale = [], []
+        while ready and len(got) < max_count:
+            entry = ready.popleft()
+            record = records[entry[0]]
+            if record.state is not READY:
+                raise SlotStateError(f"slot {record.idx}: {record.state.name} -> OUT")
+            record.state = OUT
+            if entry[1] >= current:
+                got.append(entry)
+            else:
+                stale.append(entry[0])
+        return got, stale
 
     def quarantine(self, record: SlotRecord, holder: str | int | None, late_request: int = 0) -> None:
         """A PENDING slot a silent writer may still write: out of use, its request asked
