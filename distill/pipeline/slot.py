@@ -308,6 +308,25 @@ class HeaderTable:
         return read_header(self._buf[self._offset(slot):])
 
     # ---------------------------------------------------------------- the writer's side
+    def all_claimable(self, slot_idxs: Sequence[int], request_ids: Sequence[int], writer: int) -> bool:
+        """True when every slot waits for its request id and is claimed by nobody, or by
+        ``writer`` (the common case, checked at once; else look slot by slot: ``claims``)."""
+        if len(slot_idxs) <= FEW_SLOTS:
+            claims, fills = self.claims(slot_idxs)
+            return all(fill == req and claim in (0, writer)
+                       for req, claim, fill in zip(request_ids, claims, fills, strict=True))
+        h = self.words[np.asarray(slot_idxs, dtype=np.intp)]
+        return bool(((h[:, 7] == np.asarray(request_ids, dtype=np.uint64))
+                     & ((h[:, 6] == 0) | (h[:, 6] == writer))).all())
+
+    def standing(self, slot_idxs: Sequence[int], request_ids: Sequence[int], writer: int) -> list[bool]:
+        """For each slot, whether ``writer`` claims it for the fill of its request id."""
+        if len(slot_idxs) <= FEW_SLOTS:
+            claims, fills = self.claims(slot_idxs)
+            return [claim == writer and fill == req for req, claim, fill in zip(request_ids, claims, fills, strict=True)]
+        h = self.words[np.asarray(slot_idxs, dtype=np.intp)]
+        return ((h[:, 6] == writer) & (h[:, 7] == np.asarray(request_ids, dtype=np.uint64))).tolist()
+
     def claims(self, slot_idxs: Sequence[int]) -> tuple[list[int], list[int]]:
         """The (claim, fill) fields of the slots, as two lists."""
         if len(slot_idxs) > FEW_SLOTS:

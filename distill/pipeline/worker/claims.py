@@ -38,7 +38,12 @@ def claim(segment: Segment, slot_idxs: Sequence[int], request_ids: Sequence[int]
     """Claim what may be claimed of these slots (positions into them): returns the
     positions claimed, those refused (another fill, or another live writer) and those
     over ``limit`` (left for later)."""
-    claims, fills = segment.table.claims(slot_idxs)
+    table = segment.table
+    if (limit is None or len(slot_idxs) <= limit) and table.all_claimable(slot_idxs, request_ids, writer):
+        table.set_claims(slot_idxs, writer)  # the common case: every slot, at once
+        segment.claimed += len(slot_idxs)
+        return list(range(len(slot_idxs))), [], []
+    claims, fills = table.claims(slot_idxs)
     taken, refused, later = [], [], []
     for pos, (request_id, held_by, fill) in enumerate(zip(request_ids, claims, fills, strict=True)):
         if fill != request_id or (held_by not in (0, writer) and writer_alive(held_by) is not False):
@@ -56,9 +61,7 @@ def claim(segment: Segment, slot_idxs: Sequence[int], request_ids: Sequence[int]
 def still_claimed(segment: Segment, slot_idxs: Sequence[int], request_ids: Sequence[int],
                   writer: int) -> list[bool]:
     """For each slot, whether this writer's claim and the fill it was given still stand."""
-    claims, fills = segment.table.claims(slot_idxs)
-    return [held_by == writer and fill == request_id
-            for request_id, held_by, fill in zip(request_ids, claims, fills, strict=True)]
+    return segment.table.standing(slot_idxs, request_ids, writer)
 
 
 def give_up(segment: Segment, slot_idxs: Sequence[int], writer: int) -> None:

@@ -44,16 +44,9 @@ class Committer:
             return
         claimed = len(run.targets)
         expected = run.segment.payload_bytes if run.segment is not None else 0
-        bad = {pos: _misfit(length, expected) for pos, length in enumerate(lengths)
-               if length < 0 or (expected and length != expected)}
-        for pos, why in bad.items():
-            failed.setdefault(run.work_id, {})[run.idxs[pos]] = why
-        if bad and run.segment is not None:
-            claims.give_up(run.segment, [run.slot_idxs[pos] for pos in bad], self.writer)
-        keep = [pos for pos in range(claimed) if pos not in bad]
-        lengths = [lengths[pos] for pos in keep]
-        if len(keep) < claimed:
-            run.keep(keep)
+        fits = min(lengths) >= 0 and (not expected or min(lengths) == max(lengths) == expected)
+        if not fits:  # (a batch_fn's samples all fit: the common case skips this)
+            lengths = self._drop_misfits(run, lengths, expected, failed)
         if run.staged is not None:
             if run.targets:
                 self._send_staged(run, lengths, failed)
@@ -63,6 +56,19 @@ class Committer:
                 self._write(run, lengths, failed)
         finally:
             claims.settle(run.segment, claimed)
+
+    def _drop_misfits(self, run: Run, lengths: list[int], expected: int, failed: Failures) -> list[int]:
+        """Fail the slots whose sample did not fit (or is not the student's size); give up
+        their claims; keep the rest of the run. Returns the lengths of those kept."""
+        bad = {pos: _misfit(length, expected) for pos, length in enumerate(lengths)
+               if length < 0 or (expected and length != expected)}
+        for pos, why in bad.items():
+            failed.setdefault(run.work_id, {})[run.idxs[pos]] = why
+        if run.segment is not None:
+            claims.give_up(run.segment, [run.slot_idxs[pos] for pos in bad], self.writer)
+        keep = [pos for pos in range(len(lengths)) if pos not in bad]
+        run.keep(keep)
+        return [lengths[pos] for pos in keep]
 
     def give_up(self, runs: list[Run]) -> None:
         """Drop the claims of runs that will not be committed (their fill failed)."""

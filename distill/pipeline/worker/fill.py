@@ -87,6 +87,7 @@ class Filler:
         work_id, items = body["work_id"], body["items"]
         waiting: list[int] = []
         run: Run | None = None
+        cached: dict = {}
         for idx in idxs:
             medium, slot_idx, stride, request_id = items[idx]
             if run is None or medium != run.medium or stride != run.stride:
@@ -94,14 +95,18 @@ class Filler:
                     waiting += self._claim(run, failed, share)
                 run = self._new_run(work_id, medium, stride)
                 runs.append(run)
+                cached = run.segment.slots if run.segment is not None and stride == run.segment.stride else {}
             if run.error is not None:
                 failed.setdefault(work_id, {})[idx] = run.error
                 continue
-            try:
-                payload, tensors = self._views(run, slot_idx, stride)
-            except (OSError, ValueError, IndexError) as exc:
-                self._refuse_address(work_id, idx, slot_idx, medium, exc, failed)
-                continue
+            views = cached.get(slot_idx)  # the slot's views, checked and made once (segments.py)
+            if views is None:
+                try:
+                    views = self._views(run, slot_idx, stride)
+                except (OSError, ValueError, IndexError) as exc:
+                    self._refuse_address(work_id, idx, slot_idx, medium, exc, failed)
+                    continue
+            payload, tensors = views
             run.idxs.append(idx)
             run.slot_idxs.append(slot_idx)
             run.targets.append(SlotTarget(request_id, generation, payload,
@@ -146,7 +151,8 @@ class Filler:
         for pos in refused:
             failed.setdefault(run.work_id, {})[run.idxs[pos]] = claims.STALE
         waiting = [run.idxs[pos] for pos in later]
-        run.keep(taken)
+        if len(taken) < len(run.targets):
+            run.keep(taken)
         return waiting
 
     def _refuse_address(self, work_id: int, idx: int, slot_idx: int, medium: str, exc: Exception,
