@@ -52,7 +52,7 @@ def test_a_switch_half_a_second_after_a_broker_restart_reaches_every_sample(proc
         try:
             for layer in (1, 2):
                 generation = client.set_model(f"layer_{layer}", {"layer": layer})
-                assert _layers(batches, 100, generation) == ({layer}, {generation})
+                assert _layers(batches, 40, generation) == ({layer}, {generation})
             os.kill(broker.pid, signal.SIGKILL)
             broker.join(10)
             procs.start(peers.run_broker, endpoints, name="broker2")
