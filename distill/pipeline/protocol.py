@@ -23,7 +23,8 @@ Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
                      B->L  MODEL_SET, STATS_REPLY, ERROR
     ControlPub PUB   B->*  MODEL, STOP    (topic frame = run id, or b"" for all)
     Data     PULL    W->S  DATA + one frame per slot   (network medium only, see
-                           ``mediums/tcp.py``; the broker never sees it)
+                           ``mediums/tcp.py``; the broker never sees it; a peer without
+                           the medium's key completes no handshake)
     Inbox    unix    W->S  COMPLETE, DECLINED: one datagram each (shared memory on
              dgram               the worker's machine, see ``notices.py``; DONE.notified
                                  names the segments whose filled slots need no COMPLETE)
@@ -87,13 +88,17 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
 notice naming a lane, and its slots, already done at the broker, would never complete.
 4: QUARANTINE.direct; a version-3 student would refuse it and keep waiting on the slots
-it asked of a silent worker directly)."""
+it asked of a silent worker directly.
+5: slot headers of version 2 (writer claims, ``slot.py``), segment headers, keyed data
+sockets (``mediums/tcp.py``) and SET_MODEL.min_generation; a version-4 worker's
+headers would be refused by every student, and a version-4 broker would refuse the
+leader's switches)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
