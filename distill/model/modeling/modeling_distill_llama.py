@@ -522,6 +522,8 @@ class SlidingWindowLinearAttention(LinearAttention):
         past, window = num_keys - seq_len, self.window
         weight_H11 = torch.sigmoid(self.window_factor_H.float())[:, None, None]
         v1_BHSX = with_ones(v_BHSE)
+        if self.causal and seq_len == 1 and state_BHFX is not None:
+            return self._step(q_BHTE, k_BHSE, v1_BHSX, mask_BS, state_BHFX, weight_H11)
         after = 0 if self.causal else window - 1
         keep_BHTW = window_keep(mask_BS, num_keys, seq_len, window - 1, after, q_BHTE.device)
         window_BHTX = window_softmax_numden(q_BHTE, k_BHSE, v1_BHSX, keep_BHTW, window - 1, after, self.scale)
@@ -539,6 +541,24 @@ class SlidingWindowLinearAttention(LinearAttention):
         if gone:  # the key leaving the window now: seen by the next position's linear part
             state_BHFX = state_BHFX + phi_k_BHLF[:, :, -1:].transpose(-1, -2) @ v1_BHSX[:, :, gone - 1 : gone]
         return normalise(weight_H11 * window_BHTX + older_BHTX), state_BHFX
+
+    def _step(
+        self, q_BH1E: torch.Tensor, k_BHSE: torch.Tensor, v1_BHSX: torch.Tensor, mask_BS: torch.Tensor | None,
+        state_BHFX: torch.Tensor, weight_H11: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent form for one position: its window is every key given (the ring and itself), the state the rest."""
+        scores_BH1S = (q_BH1E.float() @ k_BHSE.float().transpose(-1, -2)) * self.scale
+        keep_B11S = torch.ones_like(scores_BH1S[:1, :1], dtype=torch.bool) if mask_BS is None else (
+            mask_BS[:, None, None, :] > 0)
+        scores_BH1S = scores_BH1S.masked_fill(~keep_B11S, torch.finfo(torch.float32).min)
+        weights_BH1S = torch.exp(scores_BH1S - scores_BH1S.amax(dim=-1, keepdim=True)) * keep_B11S
+        numden_BH1X = weight_H11 * (weights_BH1S @ v1_BHSX) + self.q_features(q_BH1E) @ state_BHFX.float()
+        if k_BHSE.shape[2] == self.window:  # the oldest key leaves the window: into the state
+            phi_k_BH1F = self.k_features(k_BHSE[:, :, :1])
+            if mask_BS is not None:
+                phi_k_BH1F = phi_k_BH1F * mask_BS[:, None, :1, None]
+            state_BHFX = state_BHFX.float() + phi_k_BH1F.transpose(-1, -2) @ v1_BHSX[:, :, :1]
+        return normalise(numden_BH1X), state_BHFX
 
     def _far_numden(
         self, phi_q_BHTF: torch.Tensor, k_BHTE: torch.Tensor, v1_BHTX: torch.Tensor, mask_BT: torch.Tensor | None
