@@ -96,13 +96,14 @@ class TinyConfig:
     """Size of the offline demo teacher built from a config (used when name_or_path is null)."""
 
     family: Family = Family.llama
-    """``llama`` (pre-trained briefly on the offline corpus, cached) or ``bert`` (random init)."""
+    """``llama`` (causal-LM pre-trained briefly on the offline corpus) or ``bert`` (masked-LM
+    pre-trained on it); either is built once and cached (distill.model.tiny)."""
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     vocab_size: int = 1024
     train_steps: int | None = None
-    """Pre-training steps for the tiny Llama; null = the built-in default budget."""
+    """Pre-training steps of the tiny teacher; null = the built-in default budget of its family."""
 
 
 @dataclass

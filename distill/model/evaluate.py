@@ -64,6 +64,12 @@ class EvalResult:
     """Each replacement spliced alone into the teacher: the error it causes by itself."""
     num_tokens: int
     """Tokens scored: predicted next tokens for "lm", all tokens for "encoder"."""
+    identity: float | None = None
+    """The teacher with every replaced layer skipped (an identity in its place): the floor
+    a replacement must beat; it shows how much work those layers do."""
+    per_layer_layer_stages: dict[int, float] | None = None
+    """After an end-to-end stage: the layer stages' replacements spliced alone (``per_layer``
+    then scores the end-to-end-trained ones, those of the exported student)."""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (per_layer keys become strings there, as JSON requires)."""
@@ -72,19 +78,26 @@ class EvalResult:
     @classmethod
     def from_dict(cls, data: dict) -> EvalResult:
         """Inverse of `to_dict`, also after a JSON round trip (string layer keys)."""
-        per_layer = {int(idx): float(value) for idx, value in data["per_layer"].items()}
+        before = data.get("per_layer_layer_stages")
         return cls(
             kind=data["kind"],
             teacher=float(data["teacher"]),
             student=float(data["student"]),
-            per_layer=per_layer,
+            per_layer=_by_int(data["per_layer"]),
             num_tokens=int(data["num_tokens"]),
+            identity=None if data.get("identity") is None else float(data["identity"]),
+            per_layer_layer_stages=None if before is None else _by_int(before),
         )
 
     @property
     def relative_gap(self) -> float:
         """student / teacher - 1: the student's ppl increase, or its cosine drop (negative)."""
         return self.student / self.teacher - 1.0
+
+
+def _by_int(values: dict) -> dict[int, float]:
+    """Per-layer values with int keys (JSON gives str ones)."""
+    return {int(idx): float(value) for idx, value in values.items()}
 
 
 # ---------------------------------------------------------------------- evaluate
@@ -146,6 +159,8 @@ def _score_batch(
     first_idx = min(replacements)
     layers = student_layers(teacher, replacements)
     totals.add_student(score(_run_layers(teacher, layers, inputs[first_idx], first_idx)))
+    skipped = student_layers(teacher, dict.fromkeys(replacements, _identity))
+    totals.add_identity(score(_run_layers(teacher, skipped, inputs[first_idx], first_idx)))
     for idx, replacement in replacements.items():
         alone_BTD = _run_layers(
             teacher, _spliced_alone(teacher, idx, replacement), inputs[idx], idx
@@ -185,6 +200,7 @@ class _Totals:
         self.num_tokens = 0
         self.teacher = 0.0
         self.student = 0.0
+        self.identity: float | None = None
         self.per_layer = dict.fromkeys(layer_idxs, 0.0)
 
     def add_teacher(self, score_sum: float, num_tokens: int) -> None:
@@ -193,6 +209,9 @@ class _Totals:
 
     def add_student(self, score_sum: float) -> None:
         self.student += score_sum
+
+    def add_identity(self, score_sum: float) -> None:
+        self.identity = (self.identity or 0.0) + score_sum
 
     def add_layer(self, idx: int, score_sum: float) -> None:
         self.per_layer[idx] += score_sum
@@ -205,6 +224,7 @@ class _Totals:
             student=self._finish(kind, self.student),
             per_layer={idx: self._finish(kind, total) for idx, total in self.per_layer.items()},
             num_tokens=self.num_tokens,
+            identity=None if self.identity is None else self._finish(kind, self.identity),
         )
 
     def _finish(self, kind: str, total: float) -> float:
@@ -278,7 +298,12 @@ def score_student(
     return evaluate(base, replacements, heldout_NT, batch_size).student
 
 
-def student_layers(teacher: Teacher, replacements: dict[int, nn.Module]) -> list[Layer]:
+def _identity(hidden_BTD: torch.Tensor) -> torch.Tensor:
+    """A skipped layer."""
+    return hidden_BTD
+
+
+def student_layers(teacher: Teacher, replacements: dict[int, Layer]) -> list[Layer]:
     """All L layers of the student: replacements where given, teacher layers elsewhere."""
     return [replacements.get(idx, layer) for idx, layer in enumerate(teacher.layers)]
 

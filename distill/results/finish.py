@@ -12,10 +12,12 @@ import logging
 import os
 
 from omegaconf import OmegaConf
+from torch import nn
 
 from distill.model.assemble import export_student
-from distill.model.evaluate import evaluate, score_student
+from distill.model.evaluate import EvalResult, evaluate, score_student
 from distill.model.sources import load_tokenizer, teacher_source
+from distill.model.teacher import Teacher
 from distill.replacements import describe
 from distill.results.record import write_result
 from distill.results.report import read_metrics, write_report
@@ -51,7 +53,7 @@ def finish_run(ctx: StudentContext) -> None:
             result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
             if final is not replacements:  # the exported student had an end-to-end stage
                 summary["student_after_layer_stages"] = result.student
-                result.student = score_student(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
+                result = _rescored_after_e2e(ctx, result, base, final)
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
@@ -62,6 +64,20 @@ def finish_run(ctx: StudentContext) -> None:
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
         "final_val": _final_val(metrics)})
     log.info("report written to %s", report)
+
+
+def _rescored_after_e2e(ctx: StudentContext, layer_stages: EvalResult, base: Teacher,
+                        final: dict[int, nn.Module]) -> EvalResult:
+    """The exported (end-to-end-trained) student's scores: each of its replacements spliced
+    alone into the teacher, and the whole student on ``base`` (the teacher, or with
+    ``student.e2e.trainable=all`` the copy carrying its trained teacher-side weights); the
+    layer stages' per-layer scores are kept beside them."""
+    batch_size = ctx.cfg.student.micro_batch_size
+    result = evaluate(ctx.teacher, final, ctx.heldout_NT, batch_size=batch_size)
+    if base is not ctx.teacher:
+        result.student = score_student(base, final, ctx.heldout_NT, batch_size)
+    result.per_layer_layer_stages = layer_stages.per_layer
+    return result
 
 
 def _run_metrics(path: str) -> list[dict]:

@@ -32,9 +32,11 @@ REPORT_FILE = "report.md"
 PLOT_FILE = "losses.png"
 
 TABLE_HEADER = (
-    "| layer | replacement params ratio | FLOPs/token ratio | final val loss "
-    "| spliced-alone metric | tokens used |"
+    "| layer | replacement params ratio | FLOPs/token ratio | val loss, teacher inputs "
+    "| val loss, student inputs | spliced-alone metric | tokens used |"
 )
+BEFORE_E2E_HEADER = " spliced-alone, after the layer stages |"
+"""The extra column of a run with an end-to-end stage (the metric column is then the final student's)."""
 _METRIC_NAMES = {"lm": "perplexity", "encoder": "cosine similarity of final hidden states"}
 _MISSING = "–"
 
@@ -77,13 +79,15 @@ def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]
     return dict(sorted(curves.items()))
 
 
-def _final_val_losses(metrics: list[dict]) -> dict[int, float]:
-    """{layer: its last validation loss}, from val events or the stage_end's "val"."""
+def _final_val_losses(metrics: list[dict], student_inputs: bool = False) -> dict[int, float]:
+    """{layer: its final validation loss} on teacher inputs (or the student's own), from val
+    events or the stage_end's record (which holds the weights the stage kept)."""
     final: dict[int, float] = {}
+    val_key, end_key = ("student_losses", "val_student") if student_inputs else ("layer_losses", "val")
     for record in metrics:
         event = record.get("event")
-        losses = record.get("layer_losses") if event == "val" else None
-        losses = record.get("val") if event == "stage_end" else losses
+        losses = record.get(val_key) if event == "val" else None
+        losses = record.get(end_key) if event == "stage_end" else losses
         for idx, loss in (losses or {}).items():
             final[int(idx)] = float(loss)
     return dict(sorted(final.items()))
@@ -167,7 +171,8 @@ def write_report(
         "# Distillation report",
         _config_section(config_summary),
         _overall_section(eval_result),
-        _layer_section(metrics, eval_result, describe_rows),
+        _layer_section(metrics, eval_result, describe_rows,
+                       eval_result.per_layer_layer_stages if eval_result is not None else None),
     ]
     quality = _quality_section(metrics, config_summary)
     if quality:
@@ -213,31 +218,39 @@ def _overall_section(result: EvalResult | None) -> str:
             f"| teacher | {_fmt(result.teacher)} |",
             f"| student (all replacements) | {_fmt(result.student)} |",
             f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |",
+            *([f"| replaced layers skipped (identity baseline) | {_fmt(result.identity)} |"]
+              if result.identity is not None else []),
         ]
     )
 
 
 def _layer_section(
-    metrics: list[dict], result: EvalResult | None, describe_rows: dict[int, dict]
+    metrics: list[dict], result: EvalResult | None, describe_rows: dict[int, dict],
+    before_e2e: dict[int, float] | None = None,
 ) -> str:
-    """One row per replaced layer, then a total row of the cost ratios and tokens."""
-    final_val = _final_val_losses(metrics)
-    tokens = _tokens_used(metrics)
-    alone = result.per_layer if result is not None else {}
-    layer_idxs = sorted({*describe_rows, *alone, *final_val, *tokens})
-    rows = [
-        _layer_row(
-            idx,
-            describe_rows.get(idx, {}),
-            final_val.get(idx),
-            alone.get(idx),
-            tokens.get(idx),
-        )
-        for idx in layer_idxs
+    """One row per replaced layer, then a total row of the cost ratios and tokens; after an
+    end-to-end stage, the layer-stage students' spliced-alone metric in a last column."""
+    columns = [
+        {idx: row.get("params_ratio") for idx, row in describe_rows.items()},
+        {idx: row.get("flops_ratio") for idx, row in describe_rows.items()},
+        _final_val_losses(metrics),
+        _final_val_losses(metrics, student_inputs=True),
+        result.per_layer if result is not None else {},
     ]
-    rows.append(_total_row(describe_rows, metrics))
+    tokens = _tokens_used(metrics)
+    header, total = TABLE_HEADER, _total_row(describe_rows, metrics)
+    if before_e2e:
+        header, total = header + BEFORE_E2E_HEADER, total + f" {_MISSING} |"
+    layer_idxs = sorted({idx for column in columns for idx in column} | set(tokens))
+    rows = []
+    for idx in layer_idxs:
+        cells = [str(idx), *(_fmt(column.get(idx)) for column in columns), _fmt_int(tokens.get(idx))]
+        if before_e2e:
+            cells.append(_fmt(before_e2e.get(idx)))
+        rows.append("| " + " | ".join(cells) + " |")
+    rows.append(total)
     return "\n".join(
-        ["## Per layer", "", _layer_intro(result), "", TABLE_HEADER, "| --- " * 6 + "|", *rows]
+        ["## Per layer", "", _layer_intro(result), "", header, "| --- " * header.count(" |") + "|", *rows]
     )
 
 
@@ -253,20 +266,6 @@ def _layer_intro(result: EvalResult | None) -> str:
     )
 
 
-def _layer_row(
-    idx: int, row: dict, val_loss: float | None, alone: float | None, tokens: int | None
-) -> str:
-    cells = [
-        str(idx),
-        _fmt(row.get("params_ratio")),
-        _fmt(row.get("flops_ratio")),
-        _fmt(val_loss),
-        _fmt(alone),
-        _fmt_int(tokens),
-    ]
-    return "| " + " | ".join(cells) + " |"
-
-
 def _total_row(describe_rows: dict[int, dict], metrics: list[dict]) -> str:
     """All replacements' parameters and FLOPs over those of the layers they replace, and
     the tokens of all stages (a stage training several layers counts its tokens once)."""
@@ -275,7 +274,7 @@ def _total_row(describe_rows: dict[int, dict], metrics: list[dict]) -> str:
     flops = _sum_ratio(rows, "flops_per_token", "teacher_flops_per_token")
     stage_ends = _events(metrics, "stage_end")
     tokens = sum(int(r.get("tokens", 0)) for r in stage_ends) if stage_ends else None
-    cells = ["**all**", _fmt(params), _fmt(flops), _MISSING, _MISSING, _fmt_int(tokens)]
+    cells = ["**all**", _fmt(params), _fmt(flops), _MISSING, _MISSING, _MISSING, _fmt_int(tokens)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -300,8 +299,13 @@ def _quality_section(metrics: list[dict], config_summary: dict) -> str:
         lines += [f"Student after the layer stages: {_fmt(before)}; the exported student above has also "
                   "had the end-to-end stage."]
     if e2e_val:
-        lines += ["", "| end-to-end step | held-out perplexity |", "| --- | --- |",
-                  *(f"| {m['step']} | {_fmt(m['ppl'])} |" for m in e2e_val)]
+        key = "ppl" if "ppl" in e2e_val[0] else "cosine"
+        name = _METRIC_NAMES["lm" if key == "ppl" else "encoder"]
+        best = [m.get("best_step") for m in _events(metrics, "stage_end") if m.get("layers") == []]
+        lines += ["", f"| end-to-end step | held-out {name} |", "| --- | --- |",
+                  *(f"| {m['step']} | {_fmt(m.get(key))} |" for m in e2e_val)]
+        if best and best[-1] is not None:
+            lines += ["", f"The end-to-end stage kept the weights of step {best[-1]} (its best validation)."]
     return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
 
 

@@ -6,8 +6,9 @@ Layout of ``<checkpoint_dir>``::
     stage_<s>/replacement.safetensors   final weights of a finished stage
     current/model.safetensors     replacement weights of the stage in progress
     current/optimizer.safetensors optimizer tensors (flattened: state.<param>.<key>)
+    current/best.safetensors      trainable weights at the stage's best validation so far
     current/state.json            stage, step, scheduler, optimizer param groups,
-                                  RNG states, resolved config
+                                  RNG states, resolved config, best validation
 
 Writes go to a temporary directory that is renamed into place, so a kill -9 at
 any moment leaves either the previous checkpoint or the new one, never half.
@@ -35,6 +36,7 @@ from torch import nn
 from distill.model.sources import teacher_source
 
 PROGRESS_FILE = "progress.json"
+BEST_FILE = "best.safetensors"
 
 FINGERPRINT_KEYS = ("teacher", "replacement", "data", "student")
 UNFINGERPRINTED_STUDENT_KEYS = ("loader_workers", "prefetch_batches", "log_every_steps", "checkpoint_every_steps")
@@ -91,11 +93,14 @@ def load_stage_weights(directory: Path, stage: int, module: nn.Module) -> None:
 
 def save_training_state(directory: Path, *, stage: int, step: int, module: nn.Module,
                         optimizer: torch.optim.Optimizer, scheduler: Any,
-                        extra: dict[str, Any]) -> None:
-    """Everything needed to continue a stage at ``step`` exactly."""
+                        extra: dict[str, Any], best: dict[str, torch.Tensor] | None = None) -> None:
+    """Everything needed to continue a stage at ``step`` exactly (``best``: the trainable
+    weights of its best validation so far, see distill.train.validation.BestWeights)."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".current-", dir=directory))
     save_file(_contiguous(module.state_dict()), str(tmp / "model.safetensors"))
+    if best:
+        save_file(_contiguous(best), str(tmp / BEST_FILE))
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     rng = {"torch": torch.get_rng_state()}
@@ -127,6 +132,12 @@ def load_training_state(directory: Path, *, module: nn.Module, optimizer: torch.
         torch.cuda.set_rng_state(rng["cuda"])
     random.setstate(_python_rng_from_json(state["python_rng"]))
     return state
+
+
+def load_best_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The best-validation weights saved with the training state; empty if none were."""
+    path = directory / "current" / BEST_FILE
+    return load_file(str(path)) if path.exists() else {}
 
 
 def has_training_state(directory: Path, stage: int) -> bool:

@@ -1,5 +1,5 @@
 """The end-to-end stage: after the layer stages, train the assembled student on the teacher's
-next-token distribution.
+next-token distribution (causal LMs) or on its final hidden state (encoders).
 
 Layer stages train each replacement on the teacher's inputs, so their errors add up once
 all are spliced in. :class:`E2ETrainer` is a :class:`~distill.train.trainer.StageTrainer`
@@ -7,7 +7,13 @@ all are spliced in. :class:`E2ETrainer` is a :class:`~distill.train.trainer.Stag
 teacher with every trained replacement spliced in (:class:`E2EStudent`) and whose loss is
 the top-k KL of :func:`topk_kl` (plus an optional final-hidden NMSE term), against the
 targets the workers write (:func:`distill.train.targets.write_e2e_targets`). Its settings
-come from ``student.e2e``; it validates by held-out perplexity.
+come from ``student.e2e``; it validates by held-out perplexity, and keeps the weights of
+its best validation (:class:`~distill.train.validation.BestWeights`).
+
+A teacher without an LM head (an encoder) has no next-token distribution: there the loss is
+1 - cosine between the student's and the teacher's final hidden states (the metric the
+run is scored by, see :mod:`distill.model.evaluate`), and the stage validates by that
+held-out cosine.
 
 Its finished weights are the whole student's state dict (LoRA merged), saved as stage
 ``len(layer stages)``; :func:`load_e2e_student` rebuilds the student from them for export.
@@ -39,19 +45,22 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from distill.config import Trainable
+from distill.config import Loss, Trainable
 from distill.model.assemble import splice
 from distill.model.evaluate import metric_kind, perplexity_of
 from distill.model.lora import add_lora, merge_lora
 from distill.model.teacher import Teacher
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext, barrier, wrap_for_training
+from distill.train.losses import layer_loss
 from distill.train.modules import load_stage_replacements
 from distill.train.stages import Stage, e2e_stage
-from distill.train.trainer import StageTrainer, layer_loss, train_stage
+from distill.train.trainer import StageTrainer, train_stage
+from distill.train.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,8 @@ class E2EStudent(nn.Module):
         super().__init__()
         if trainable not in {t.value for t in Trainable}:
             raise ValueError(f"student.e2e.trainable={trainable!r}: choose one of {[t.value for t in Trainable]}")
+        self.lm = metric_kind(teacher) == "lm"
+        """Whether the student predicts tokens (else: an encoder, trained on its final hidden state)."""
         self.model = splice(teacher, replacements)
         self.model.requires_grad_(trainable == Trainable.all)
         for replacement in replacements.values():
@@ -99,10 +110,10 @@ class E2EStudent(nn.Module):
             else:
                 replacement.requires_grad_(True)
 
-    def forward(self, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits_BTV, final hidden_BTD after the final norm)."""
+    def forward(self, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits_BTV, or None for an encoder; final hidden_BTD after the final norm)."""
         final_BTD = self.final_hidden(input_ids_BT)
-        return self.logits(final_BTD), final_BTD
+        return (self.logits(final_BTD) if self.lm else None), final_BTD
 
     def final_hidden(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """The base model's last hidden state (after the final norm)."""
@@ -131,18 +142,16 @@ def e2e_student_config(student_cfg: DictConfig) -> DictConfig:
 
 
 class E2ETrainer(StageTrainer):
-    """Trains the assembled student on the teacher's top-k log-probabilities."""
+    """Trains the assembled student on the teacher's top-k log-probabilities (or, for an
+    encoder, its final hidden state)."""
 
     def __init__(self, ctx: StudentContext, stage: Stage) -> None:
-        super().__init__(ctx, stage)
-        self.scfg = e2e_student_config(ctx.cfg.student)
+        super().__init__(ctx, stage, e2e_student_config(ctx.cfg.student))
         self.ecfg = ctx.cfg.student.e2e
+        self.val_targets: list[torch.Tensor] = []
 
     def _setup_model(self) -> None:
         ctx = self.ctx
-        if metric_kind(ctx.teacher) != "lm":
-            raise ValueError(f"student.e2e.steps={self.ecfg.steps} needs a teacher with an LM head; "
-                             f"{ctx.teacher.name_or_path} has none: set student.e2e.steps=0")
         torch.manual_seed(self.scfg.seed + self.stage.index)
         replacements = load_stage_replacements(ctx, ctx.stages)
         self.module = E2EStudent(ctx.teacher, replacements, self.ecfg.trainable, self.ecfg.lora_rank,
@@ -152,20 +161,31 @@ class E2ETrainer(StageTrainer):
                      self.module.num_trainable())
         self.model = wrap_for_training(self.module, ctx)
 
-    def _setup_validation(self) -> None:
-        """Validation is the student's held-out perplexity (leader only)."""
-        self.val_pairs = {}
+    def _earlier_replacements(self) -> dict[int, nn.Module]:
+        return {}  # the student is whole: nothing to build its inputs from
 
-    def _setup_inputs(self) -> None:
+    def _setup_validation(self, frozen: dict[int, nn.Module]) -> None:
+        """Validation is the student's held-out perplexity, or for an encoder its final-hidden
+        cosine against the teacher's, computed here once (leader only)."""
+        ctx = self.ctx
+        if ctx.leader and not self.module.lm:
+            with torch.no_grad():
+                self.val_targets = [ctx.teacher.model.base_model(input_ids=batch_BT.to(ctx.device)).last_hidden_state
+                                    for batch_BT in ctx.heldout_NT.split(self.scfg.micro_batch_size)]
+
+    def _setup_inputs(self, frozen: dict[int, nn.Module]) -> None:
         self.closed_loop = None
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
         device = self.ctx.device
         logits_BTV, final_BTD = self.model(batch["input_ids"].to(device))
+        teacher_BTD = batch["hidden"][:, 0].to(device)
+        if logits_BTV is None:  # an encoder: its final hidden state is its output
+            loss = layer_loss(final_BTD, teacher_BTD, Loss.cosine)
+            return loss, {LOSS_KEY: float(loss.detach())}
         loss = topk_kl(logits_BTV.flatten(0, 1), batch["topk_logp"].to(device).flatten(0, 1),
                        batch["topk_idx"].to(device).flatten(0, 1), self.ecfg.temperature)
         if self.ecfg.hidden_weight > 0:
-            teacher_BTD = batch["hidden"][:, 0].to(device)
             loss = loss + self.ecfg.hidden_weight * layer_loss(final_BTD, teacher_BTD, "nmse")
         return loss, {LOSS_KEY: float(loss.detach())}
 
@@ -180,17 +200,35 @@ class E2ETrainer(StageTrainer):
                               "samples_per_s": samples * self.ctx.world_size / elapsed})
 
     @torch.no_grad()
-    def validate(self, step: int) -> dict[int, float]:
-        """Held-out perplexity of the assembled student, logged as an ``e2e_val`` event."""
+    def validate(self, step: int) -> Validation:
+        """Held-out perplexity (or encoder cosine) of the assembled student, logged as an
+        ``e2e_val`` event; scored lower-is-better (perplexity, or 1 - cosine)."""
+        result = Validation()
         if self.ctx.leader and len(self.ctx.heldout_NT):
             self.module.eval()
-            ppl = perplexity_of(self.module.final_hidden, self.module.logits, self.ctx.heldout_NT,
-                                self.scfg.micro_batch_size, self.ctx.device)
+            if self.module.lm:
+                ppl = perplexity_of(self.module.final_hidden, self.module.logits, self.ctx.heldout_NT,
+                                    self.scfg.micro_batch_size, self.ctx.device)
+                result = Validation(ppl, {"ppl": ppl})
+            else:
+                cosine = self._heldout_cosine()
+                result = Validation(1.0 - cosine, {"cosine": cosine})
             self.module.train()
-            self.ctx.log_metrics({"event": "e2e_val", "stage": self.stage.index, "step": step, "ppl": ppl})
-            log.info("end-to-end stage step %d: held-out perplexity %.4f", step, ppl)
+            self.ctx.log_metrics({"event": "e2e_val", "stage": self.stage.index, "step": step, **result.record})
+            log.info("end-to-end stage step %d: held-out %s", step,
+                     ", ".join(f"{k} {v:.4f}" for k, v in result.record.items()))
         barrier(self.ctx)
-        return {}
+        return result
+
+    def _heldout_cosine(self) -> float:
+        """Mean per-token cosine of the student's final hidden states against the teacher's."""
+        total, count = 0.0, 0
+        for batch_BT, teacher_BTD in zip(self.ctx.heldout_NT.split(self.scfg.micro_batch_size),
+                                         self.val_targets, strict=True):
+            student_BTD = self.module.final_hidden(batch_BT.to(self.ctx.device))
+            total += F.cosine_similarity(student_BTD.float(), teacher_BTD.float(), dim=-1).sum().item()
+            count += batch_BT.numel()
+        return total / max(1, count)
 
     def finish(self) -> None:
         """Fold LoRA into plain linear maps, then record the stage like a layer stage."""

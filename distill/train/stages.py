@@ -12,8 +12,8 @@ Two options widen that layout. A closed-loop stage (``student.inputs=student|mix
 carries position 0, the embeddings, from which the student runs its own trained
 replacements to build each layer's input. When the end-to-end stage is on, every sample
 has room for the teacher's top-k next-token log-probabilities (``topk_logp`` and
-``topk_idx``, [T, k]); that stage writes the teacher's final hidden state into
-``hidden[0]`` (see :mod:`distill.train.targets`).
+``topk_idx``, [T, k]; not for an encoder, which has none); that stage writes the
+teacher's final hidden state into ``hidden[0]`` (see :mod:`distill.train.targets`).
 
 :func:`stage_layout` is the one place that turns a config and a teacher's shape into the
 stages and the sample layout: the start-up checks, the workers and the students all call
@@ -27,7 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from distill.config import Inputs
+from distill.config import Family, Inputs
+from distill.model.location import has_lm_head
 from distill.pipeline import BatchConfig, TensorSpec
 
 
@@ -114,9 +115,17 @@ def closed_loop(student_cfg: Any) -> bool:
     return student_cfg.inputs != Inputs.teacher
 
 
-def e2e_top_k(student_cfg: Any) -> int:
-    """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on."""
-    return int(student_cfg.e2e.top_k) if student_cfg.e2e.steps > 0 else 0
+def teacher_is_lm(cfg: DictConfig) -> bool:
+    """Whether the configured teacher predicts tokens (has an LM head), from its config alone."""
+    if not cfg.teacher.name_or_path:
+        return cfg.teacher.tiny.family == Family.llama
+    return has_lm_head(str(cfg.teacher.name_or_path))
+
+
+def e2e_top_k(cfg: DictConfig) -> int:
+    """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on
+    (for a teacher with an LM head; an encoder's end-to-end stage needs only its final state)."""
+    return int(cfg.student.e2e.top_k) if cfg.student.e2e.steps > 0 and teacher_is_lm(cfg) else 0
 
 
 def e2e_stage(stages: list[Stage]) -> Stage:
@@ -131,5 +140,5 @@ def stage_layout(cfg: DictConfig, num_layers: int, hidden_size: int) -> tuple[li
     student = cfg.student
     stages = plan_stages(num_layers, student.layers, student.layers_per_stage, closed_loop(student))
     batch_config = sample_batch_config(max_positions(stages), cfg.data.seq_len, hidden_size,
-                                       cfg.teacher.dtype, top_k=e2e_top_k(student))
+                                       cfg.teacher.dtype, top_k=e2e_top_k(cfg))
     return stages, batch_config

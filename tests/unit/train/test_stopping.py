@@ -54,8 +54,15 @@ def test_closed_loop_stages_carry_the_embeddings_and_round_trip() -> None:
     assert closed_loop(_student(inputs="mix")) and not closed_loop(_student())
 
 
-def test_topk_room_only_when_the_e2e_stage_is_on() -> None:
-    assert e2e_top_k(_student()) == 0 and e2e_top_k(_student(e2e={"steps": 5, "top_k": 8})) == 8
+def _cfg(family: str = "llama", **student) -> OmegaConf:
+    teacher = {"name_or_path": None, "tiny": {"family": family}}
+    return OmegaConf.create({"teacher": teacher, "student": _student(**student)})
+
+
+def test_topk_room_only_when_the_e2e_stage_is_on_for_a_teacher_with_an_lm_head() -> None:
+    on = {"e2e": {"steps": 5, "top_k": 8}}
+    assert e2e_top_k(_cfg()) == 0 and e2e_top_k(_cfg(**on)) == 8
+    assert e2e_top_k(_cfg("bert", **on)) == 0  # an encoder's end-to-end target is its final state
     names = [spec.name for spec in sample_batch_config(2, 16, 8, "float32", top_k=8).specs]
     assert names == ["input_ids", "hidden", "topk_logp", "topk_idx"]
     assert [spec.name for spec in sample_batch_config(2, 16, 8, "float32").specs] == ["input_ids", "hidden"]
