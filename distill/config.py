@@ -91,6 +91,16 @@ class Trainable(StrEnum):
     all = "all"
 
 
+class HybridScore(StrEnum):
+    """What ranks the layers of an automatic hybrid (``student.hybrid.score``, see distill.train.hybrid)."""
+
+    kl = "kl"
+    """KL(teacher || student) of the final next-token distribution with only that layer converted
+    (encoders: 1 - cosine of the final hidden state)."""
+    spliced = "spliced"
+    """The report's spliced-alone metric: held-out perplexity (or cosine) with only that layer converted."""
+
+
 @dataclass
 class TinyConfig:
     """Size of the offline demo teacher built from a config (used when name_or_path is null)."""
@@ -222,9 +232,30 @@ class E2EConfig:
 
 
 @dataclass
+class HybridConfig:
+    """Automatic hybrid: which layers keep the teacher's own attention, chosen by measurement.
+
+    With ``keep_softmax`` or ``max_gap`` set, a short teacher-forced scoring pass first trains a
+    replacement for every candidate layer (``student.layers``; null = all), scores each layer's
+    conversion alone on the held-out chunks, keeps the costliest layers as the teacher's own and
+    converts the rest (distill.train.hybrid); ``student.layers`` then names the candidates.
+    """
+
+    keep_softmax: int | None = None
+    """Keep this many layers (the costliest to convert) as the teacher's own; null = no such budget."""
+    max_gap: float | None = None
+    """Or a target quality: convert the most layers (cheapest first) whose scoring-pass student stays
+    within this relative gap of the teacher (0.02 = 2% perplexity, or cosine); null = no target."""
+    score: HybridScore = HybridScore.kl
+    """What ranks the layers: ``kl`` or ``spliced`` (see HybridScore)."""
+    steps: int = 50
+    """Training steps per layer of the scoring pass."""
+
+
+@dataclass
 class StudentConfig:
     layers: list[int] | None = None
-    """Teacher layers to replace; null = all."""
+    """Teacher layers to replace; null = all. With an automatic hybrid (``hybrid``), the candidates."""
     layers_per_stage: int = 1
     steps_per_stage: int = 200
     micro_batch_size: int = 8
@@ -266,6 +297,8 @@ class StudentConfig:
     """Smallest drop of the mean validation loss that counts as an improvement (for ``patience``)."""
     e2e: E2EConfig = field(default_factory=E2EConfig)
     """The optional end-to-end stage after the layer stages (off while ``e2e.steps`` is 0)."""
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    """Automatic choice of the layers to convert (off while ``keep_softmax`` and ``max_gap`` are null)."""
 
 
 @dataclass

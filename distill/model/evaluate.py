@@ -232,6 +232,27 @@ class _Totals:
         return _exp(mean) if kind == "lm" else mean
 
 
+def spliced_alone_kl(
+    teacher: Teacher, replacements: dict[int, nn.Module], heldout_NT: torch.Tensor, batch_size: int = 8
+) -> dict[int, float]:
+    """{l: mean per-token KL(teacher || teacher with only layer l replaced)} of the next-token
+    distribution on `heldout_NT`: how far each replacement alone moves the model's output
+    (0 for a perfect one), measured against the teacher rather than the data."""
+    if metric_kind(teacher) != "lm":
+        raise ValueError(f"spliced_alone_kl needs a teacher with an LM head; {teacher.name_or_path} has none")
+    heldout_NT = _checked_chunks(heldout_NT, batch_size, None)
+    sums, num_tokens = dict.fromkeys(replacements, 0.0), 0
+    with torch.no_grad(), _eval_mode(teacher.model, *replacements.values()):
+        for batch_BT in heldout_NT.split(batch_size):
+            inputs = _teacher_layer_inputs(teacher, batch_BT.to(teacher.device))
+            teacher_ND = inputs[-1].flatten(0, 1)
+            for idx, replacement in replacements.items():
+                alone_BTD = _run_layers(teacher, _spliced_alone(teacher, idx, replacement), inputs[idx], idx)
+                sums[idx] += _kl_sum(teacher.final_logits, teacher_ND, alone_BTD.flatten(0, 1))
+            num_tokens += batch_BT.numel()
+    return {idx: total / num_tokens for idx, total in sums.items()}
+
+
 # ---------------------------------------------------------------------- reference path
 
 
@@ -342,6 +363,19 @@ def _nll_sum(
         end = start + _LOGITS_CHUNK_TOKENS
         logits_NV = logits_of(hidden_ND[start:end]).float()
         total += F.cross_entropy(logits_NV, targets_N[start:end], reduction="sum").item()
+    return total
+
+
+def _kl_sum(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], teacher_ND: torch.Tensor, student_ND: torch.Tensor
+) -> float:
+    """Summed per-position KL(teacher || student) (float32) of the logits of two hidden states."""
+    total = 0.0
+    for start in range(0, len(teacher_ND), _LOGITS_CHUNK_TOKENS):
+        end = start + _LOGITS_CHUNK_TOKENS
+        logp_t_NV = F.log_softmax(logits_of(teacher_ND[start:end]).float(), dim=-1)
+        logp_s_NV = F.log_softmax(logits_of(student_ND[start:end]).float(), dim=-1)
+        total += (logp_t_NV.exp() * (logp_t_NV - logp_s_NV)).sum().item()
     return total
 
 

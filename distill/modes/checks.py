@@ -54,12 +54,33 @@ def _check_quality_settings(cfg: DictConfig) -> None:
                          "set student.val_every_steps > 0, or patience=0")
     if student.max_tokens_per_stage is not None and student.max_tokens_per_stage < 1:
         raise ValueError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
+    _check_hybrid(cfg)
     e2e = student.e2e
     if e2e.steps <= 0:
         return
     if e2e.top_k < 1 or e2e.temperature <= 0:
         raise ValueError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
                          f"{e2e.temperature} > 0")
+
+
+def _check_hybrid(cfg: DictConfig) -> None:
+    """An automatic hybrid needs one budget, a scoring pass, and a layer left to convert."""
+    hybrid = cfg.student.hybrid
+    if hybrid.keep_softmax is not None and hybrid.max_gap is not None:
+        raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} and student.hybrid.max_gap="
+                         f"{hybrid.max_gap} are both set: choose one (the other null)")
+    if hybrid.keep_softmax is None and hybrid.max_gap is None:
+        return
+    if hybrid.steps < 1:
+        raise ValueError(f"student.hybrid.steps={hybrid.steps} must be >= 1 (the scoring pass trains each layer)")
+    if hybrid.max_gap is not None and hybrid.max_gap <= 0:
+        raise ValueError(f"student.hybrid.max_gap={hybrid.max_gap} must be > 0 (0.02 = within 2%)")
+    if hybrid.keep_softmax is not None:
+        candidates = len(set(cfg.student.layers)) if cfg.student.layers is not None else _teacher_shape(cfg)[0]
+        if not 0 <= hybrid.keep_softmax < candidates:
+            raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
+                             f"there are {candidates} candidate layers (student.layers) and at least one "
+                             "must be converted")
 
 
 def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:

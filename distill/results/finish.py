@@ -23,7 +23,9 @@ from distill.results.record import write_result
 from distill.results.report import read_metrics, write_report
 from distill.train.context import METRICS_FILE, StudentContext
 from distill.train.e2e import e2e_finished, load_e2e_student
+from distill.train.hybrid import read_choice
 from distill.train.modules import load_stage_replacements
+from distill.train.stages import hybrid_on
 from distill.train.timing import timed
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ def finish_run(ctx: StudentContext) -> None:
                "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
                "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size,
                "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
+    hybrid = read_choice(ctx.checkpoint_dir) if hybrid_on(cfg.student) else None
+    if hybrid is not None:
+        summary["kept_layers"] = hybrid["kept"]
     result = None
     if cfg.evaluate and len(ctx.heldout_NT):
         with timed(ctx.timings, "evaluate_s"):
@@ -58,11 +63,11 @@ def finish_run(ctx: StudentContext) -> None:
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
-                          ctx.timings)
+                          ctx.timings, hybrid=hybrid)
     write_result(ctx.out_dir, {
         "summary": summary, "eval": result.to_dict() if result else None,
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
-        "final_val": _final_val(metrics)})
+        "final_val": _final_val(metrics), **({"hybrid": hybrid} if hybrid is not None else {})})
     log.info("report written to %s", report)
 
 
@@ -93,6 +98,6 @@ def _run_metrics(path: str) -> list[dict]:
 def _final_val(metrics: list[dict]) -> dict[str, float]:
     out: dict[str, float] = {}
     for record in metrics:
-        if record.get("event") == "stage_end":
+        if record.get("event") == "stage_end" and record.get("kind") != "score":
             out.update(record.get("val", {}))
     return out

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.md"
 PLOT_FILE = "losses.png"
+HYBRID_PLOT_FILE = "hybrid.png"
 
 TABLE_HEADER = (
     "| layer | replacement params ratio | FLOPs/token ratio | val loss, teacher inputs "
@@ -68,10 +69,16 @@ def _events(metrics: list[dict], event: str) -> list[dict]:
     return [record for record in metrics if record.get("event") == event]
 
 
+def _of_layer_stages(metrics: list[dict]) -> list[dict]:
+    """The records of the stages that trained the student's layers: not those of an automatic
+    hybrid's scoring pass (kind ``score``), whose replacements are discarded."""
+    return [record for record in metrics if record.get("kind") != "score"]
+
+
 def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
     """{layer: (steps, losses)} from the train events' per-layer losses."""
     curves: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-    for record in _events(metrics, "train"):
+    for record in _events(_of_layer_stages(metrics), "train"):
         for idx, loss in (record.get("layer_losses") or {}).items():
             steps, losses = curves[int(idx)]
             steps.append(int(record["step"]))
@@ -84,7 +91,7 @@ def _final_val_losses(metrics: list[dict], student_inputs: bool = False) -> dict
     events or the stage_end's record (which holds the weights the stage kept)."""
     final: dict[int, float] = {}
     val_key, end_key = ("student_losses", "val_student") if student_inputs else ("layer_losses", "val")
-    for record in metrics:
+    for record in _of_layer_stages(metrics):
         event = record.get("event")
         losses = record.get(val_key) if event == "val" else None
         losses = record.get(end_key) if event == "stage_end" else losses
@@ -96,7 +103,7 @@ def _final_val_losses(metrics: list[dict], student_inputs: bool = False) -> dict
 def _tokens_used(metrics: list[dict]) -> dict[int, int]:
     """{layer: training tokens of the stages that trained it} from stage_end events."""
     tokens: dict[int, int] = defaultdict(int)
-    for record in _events(metrics, "stage_end"):
+    for record in _events(_of_layer_stages(metrics), "stage_end"):
         for idx in record.get("layers") or []:
             tokens[int(idx)] += int(record.get("tokens", 0))
     return dict(tokens)
@@ -156,12 +163,14 @@ def write_report(
     describe_rows: dict[int, dict],
     config_summary: dict,
     timings: dict[str, float] | None = None,
+    hybrid: dict | None = None,
 ) -> str:
     """Write run_dir/report.md (and the losses.png it embeds); returns the report's path.
 
     `describe_rows[l]` is `distill.replacements.describe(replacement, teacher, seq_len)`;
     `eval_result` may also be `EvalResult.to_dict()` read back from JSON, or None / {}
-    when the run was not evaluated (its sections then say so).
+    when the run was not evaluated (its sections then say so). `hybrid` is an automatic
+    hybrid's choice (`distill.train.hybrid.choose`): its section and hybrid.png.
     """
     if isinstance(eval_result, dict):
         eval_result = EvalResult.from_dict(eval_result) if eval_result else None
@@ -174,6 +183,9 @@ def write_report(
         _layer_section(metrics, eval_result, describe_rows,
                        eval_result.per_layer_layer_stages if eval_result is not None else None),
     ]
+    if hybrid:
+        sections.append(_hybrid_section(hybrid, eval_result))
+        plot_hybrid(hybrid, eval_result, os.path.join(run_dir, HYBRID_PLOT_FILE))
     quality = _quality_section(metrics, config_summary)
     if quality:
         sections.append(quality)
@@ -307,6 +319,56 @@ def _quality_section(metrics: list[dict], config_summary: dict) -> str:
         if best and best[-1] is not None:
             lines += ["", f"The end-to-end stage kept the weights of step {best[-1]} (its best validation)."]
     return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
+
+
+def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
+    """Which layers the automatic hybrid converted and kept, each layer's score, and the
+    quality of the scoring-pass student by number of converted layers."""
+    metric = _METRIC_NAMES.get(hybrid["kind"], hybrid["kind"])
+    budget = (f"`student.hybrid.keep_softmax={hybrid['keep_softmax']}`" if hybrid.get("keep_softmax") is not None
+              else f"`student.hybrid.max_gap={hybrid['max_gap']}`")
+    kl_name = "KL of the output" if hybrid["kind"] == "lm" else "1 - cosine of the output"
+    converted = set(hybrid["converted"])
+    order = [int(layer) for layer in hybrid["order"]]
+    rows = [f"| {layer} | {_fmt(hybrid['kl'][str(layer)])} | {_fmt(hybrid['spliced_alone'][str(layer)])} | "
+            f"{'converted' if layer in converted else '**kept (teacher)**'} |" for layer in order]
+    curve = [f"| {n} | {', '.join(map(str, sorted(order[:n]))) or '–'} | {_fmt(value)} |"
+             for n, value in enumerate(hybrid["curve"])]
+    final = ("" if result is None else
+             f" The trained student, {len(converted)} layers converted: {_fmt(result.student)}.")
+    return "\n".join([
+        "## Automatic hybrid", "",
+        f"Budget {budget}. A scoring pass trained a replacement for each candidate layer "
+        f"({hybrid['steps']} steps, teacher inputs) and scored its conversion alone on the held-out "
+        f"chunks by `{hybrid['score']}`; converted layers {hybrid['converted']}, kept layers "
+        f"{hybrid['kept'] or 'none'} as the teacher's own.", "",
+        f"| layer (cheapest first) | {kl_name} | spliced-alone {metric} | choice |", "| --- | --- | --- | --- |",
+        *rows, "",
+        f"Held-out {metric} of the scoring-pass student by layers converted (teacher: {_fmt(hybrid['teacher'])})."
+        f"{final}", "",
+        "| layers converted | which | held-out metric |", "| --- | --- | --- |", *curve, "",
+        f"![quality against the number of converted layers]({HYBRID_PLOT_FILE})"])
+
+
+def plot_hybrid(hybrid: dict, result: EvalResult | None, out_png: str) -> str:
+    """Held-out metric of the scoring-pass student against the number of converted layers
+    (cheapest first), the teacher's level and the trained student; returns `out_png`."""
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    counts = list(range(len(hybrid["curve"])))
+    ax.plot(counts, hybrid["curve"], marker="o", label=f"scoring pass ({hybrid['steps']} steps/layer)")
+    ax.axhline(hybrid["teacher"], color="gray", linestyle="--", linewidth=1, label="teacher")
+    if result is not None:
+        ax.plot([len(hybrid["converted"])], [result.student], marker="*", markersize=12, linestyle="none",
+                color="tab:red", label="trained student")
+    metric = _METRIC_NAMES.get(hybrid["kind"], hybrid["kind"])
+    ax.set(title="quality against layers converted", xlabel="layers converted (cheapest first)",
+           ylabel=f"held-out {metric}", xticks=counts)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(out_png, dpi=110)
+    return out_png
 
 
 def _timing_section(timings: dict[str, float]) -> str:
