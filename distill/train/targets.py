@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from omegaconf import DictConfig
 
 from distill.model.data import sample_indices
 from distill.model.teacher import Teacher
@@ -29,6 +30,18 @@ from distill.train.stages import Stage
 from distill.train.transfer import DeviceToSlots
 
 log = logging.getLogger(__name__)
+
+
+SEED_STRIDE = 1_000_003
+"""Mixes ``student.seed`` into the sample order (a prime, so nearby seeds give unrelated orders)."""
+
+
+def sample_seed(cfg: DictConfig) -> int:
+    """Seed of the training-sample order: ``data.seed`` mixed with ``student.seed``, so a run with
+    another ``student.seed`` trains on another order of the same chunks as well as from another
+    init (``student.seed=0`` keeps the order of ``data.seed`` alone). The held-out split depends
+    on ``data.seed`` only."""
+    return int(cfg.data.seed) + SEED_STRIDE * int(cfg.student.seed)
 
 
 class TeacherTargets:
