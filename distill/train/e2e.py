@@ -145,6 +145,8 @@ class E2ETrainer(StageTrainer):
     """Trains the assembled student on the teacher's top-k log-probabilities (or, for an
     encoder, its final hidden state)."""
 
+    validate_at_start = True  # the layer stages' student: kept if the stage does no better
+
     def __init__(self, ctx: StudentContext, stage: Stage) -> None:
         super().__init__(ctx, stage, e2e_student_config(ctx.cfg.student))
         self.ecfg = ctx.cfg.student.e2e

@@ -71,6 +71,10 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
 class StageTrainer:
     """Trains the replacements of one stage: setup, train, save_checkpoint, cleanup."""
 
+    validate_at_start = False
+    """Validate before the first step, so that the weights the stage starts from count among its
+    best (a stage that starts from a trained student must never end worse than it started)."""
+
     def __init__(self, ctx: StudentContext, stage: Stage, student_cfg: DictConfig | None = None) -> None:
         """``student_cfg``: the settings of this stage when not ``ctx.cfg.student`` (the
         end-to-end stage and the hybrid's scoring pass have their own)."""
@@ -174,6 +178,8 @@ class StageTrainer:
         self.model.train()
         steps_done, stopped = self.start_step, stop_reason(self._planned_cfg, total)
         val, validated_at = Validation(), None
+        if self.validate_at_start and self.start_step == 0:
+            val, validated_at = self._timed_validate(0), 0
         for step in range(self.start_step, total):
             step_started = time.monotonic()
             for micro in range(accum):
