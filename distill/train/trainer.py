@@ -223,7 +223,8 @@ class StageTrainer:
         timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
         timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s
         timings["student_startup_wait_s"] = timings.get("student_startup_wait_s", 0.0) + startup_wait_s
-        self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "kind": self.stage.kind, "layers": list(self.stage.layers),
+        self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "kind": self.stage.kind,
+                              "layers": list(self.stage.layers),
                               "steps": steps_done, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
                               "wall_s": time.monotonic() - started, **_json_record(val.record),
                               "best_step": best_step, "stopped": stopped, **supply})
@@ -277,7 +278,8 @@ class StageTrainer:
         rate = samples * self.ctx.world_size / elapsed
         wait_fraction = wait_s / max(compute_s, 1e-9)
         bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}", wait=f"{wait_fraction:.0%}")
-        self.ctx.log_metrics({"event": "train", "stage": self.stage.index, "kind": self.stage.kind, "layers": list(self.stage.layers),
+        self.ctx.log_metrics({"event": "train", "stage": self.stage.index, "kind": self.stage.kind,
+                              "layers": list(self.stage.layers),
                               "step": step, "loss": mean, "layer_losses": {str(k): v for k, v in losses.items()},
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "samples_per_s": rate, "wait_fraction": wait_fraction, "time_s": elapsed})
