@@ -24,6 +24,7 @@ def _tiny(tmp_path: Path, layers: int = 3) -> list[str]:
         "data.seq_len=32", "data.max_heldout_chunks=8", "student.micro_batch_size=4",
         "student.log_every_steps=2", "pipeline.slot_count=8", "pipeline.heartbeat_interval_s=0.5",
         "local.num_workers=2", "local.num_students=2", "log_level=INFO",
+        "student.e2e.steps=0",  # tests that need the end-to-end stage turn it on
     ]
 
 

@@ -27,7 +27,7 @@ def test_default_config_passes_the_checks() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["student.patience=2"], "student.val_every_steps"),
+    (["student.patience=2", "student.val_every_steps=0"], "student.val_every_steps"),
     (["student.max_tokens_per_stage=0"], "student.max_tokens_per_stage"),
     (["student.e2e.steps=5", "student.e2e.temperature=0"], "student.e2e.temperature"),
 ])

@@ -37,7 +37,8 @@ def _cfg(tmp_path: Path, *overrides: str, replacement: str = "mlp") -> DictConfi
                      "student.steps_per_stage=6", "student.checkpoint_every_steps=3", "student.log_every_steps=1",
                      "student.lr=1e-2", "pipeline.slot_count=8", "pipeline.worker_max_batch=4",
                      "pipeline.heartbeat_interval_s=0.2", f"pipeline.socket_dir={socket_dir}",
-                     f"checkpoint_dir={tmp_path / 'ckpt'}", "run_id=trainertest", *overrides])
+                     f"checkpoint_dir={tmp_path / 'ckpt'}", "run_id=trainertest", "student.inputs=teacher",
+                     "student.e2e.steps=0", *overrides])
 
 
 @pytest.fixture
