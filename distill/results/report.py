@@ -272,9 +272,12 @@ def _layer_intro(result: EvalResult | None) -> str:
     if result is None:
         return f"Spliced-alone metric: not evaluated. {ratios}"
     metric = _METRIC_NAMES.get(result.kind, result.kind)
+    after_e2e = (" by its end-to-end-trained replacement (by the layer stage's in the last column)"
+                 if result.per_layer_layer_stages else "")
     return (
         f"Spliced-alone metric: held-out {metric} of the teacher with only that layer "
-        f"replaced (teacher: {_fmt(result.teacher)}). {ratios}"
+        f"replaced{after_e2e} (teacher: {_fmt(result.teacher)}). Validation losses: against the "
+        f"teacher's output of the layer, fed the teacher's input or the student's own. {ratios}"
     )
 
 
