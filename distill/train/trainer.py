@@ -170,7 +170,7 @@ class StageTrainer:
         total = self.scfg.steps_per_stage
         accum = self.scfg.grad_accum_steps
         bar = tqdm(total=total, initial=self.start_step, disable=not self.ctx.leader, leave=True,
-                   desc=f"stage {self.stage.index} layers {','.join(map(str, self.stage.layers))}")
+                   desc=_progress_name(self.stage))
         started = time.monotonic()
         wait_s = compute_s = startup_wait_s = 0.0
         samples = 0
@@ -344,6 +344,14 @@ class StageTrainer:
             self._background = None
         self._loader_iter = None  # shuts DataLoader workers down; their pools unlink
         self.loader = None
+
+
+def _progress_name(stage: Stage) -> str:
+    """The stage as its progress bar names it."""
+    if stage.kind == "e2e":
+        return f"stage {stage.index} end-to-end"
+    what = "scoring layers" if stage.kind == "score" else "layers"
+    return f"stage {stage.index} {what} {','.join(map(str, stage.layers))}"
 
 
 def _by_str(values: dict[int, float]) -> dict[str, float]:
