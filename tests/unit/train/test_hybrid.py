@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from distill.train import checkpoint as ckpt
+from distill.train import hybrid
 from distill.train.hybrid import HYBRID_FILE, choose
 from distill.train.run import train_all
 from tests.tiny_teachers import tiny_llama
@@ -39,8 +40,8 @@ def test_an_encoder_target_is_a_cosine_drop() -> None:
     assert choose(scores, OmegaConf.create({"keep_softmax": None, "max_gap": 0.01}))["converted"] == [0, 2]
 
 
-def test_a_hybrid_run_scores_every_layer_then_trains_only_those_it_converts(tmp_path: Path,
-                                                                             pipeline_for) -> None:  # noqa: F811
+def test_a_hybrid_run_scores_every_layer_then_trains_only_those_it_converts(
+        tmp_path: Path, pipeline_for, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     cfg = _cfg(tmp_path, "student.hybrid.keep_softmax=1", "student.hybrid.steps=3", "student.steps_per_stage=4",
                "student.inputs=student")
     teacher = tiny_llama(VOCAB, 3)
@@ -51,7 +52,8 @@ def test_a_hybrid_run_scores_every_layer_then_trains_only_those_it_converts(tmp_
         train_all(ctx)
         choice = json.loads((ctx.checkpoint_dir / HYBRID_FILE).read_text())
         layer_stages = [(s.index, s.layers, s.closed_loop) for s in ctx.stages]
-        train_all(ctx)  # a rerun: nothing left to train, the same choice
+        monkeypatch.setattr(hybrid, "score_layers", lambda *_: pytest.fail("a rerun scored the layers again"))
+        train_all(ctx)  # a rerun: nothing left to train, the choice read back
         assert [(s.index, s.layers, s.closed_loop) for s in ctx.stages] == layer_stages
     finally:
         ctx.client.close()
