@@ -15,10 +15,21 @@ prints, for a broker process (``distill.pipeline.Broker``):
    its per-run queue bound and answers ERROR), then leaves (BYE). RSS before, peak
    during, and after the flood's requests were dropped.
 
+3. ``--e2e``: peak RSS of the end-to-end stage's student rank on a random-weights Llama of
+   about 1B parameters (hidden 2048, 16 layers, vocabulary 32k, bfloat16, all 16 layers
+   replaced by float32 ``ResidualMLP(hidden_mult=0.25)``, trainable=replacements), on CPU:
+   teacher loaded, student built, ``--e2e-steps`` AdamW steps on random top-32 targets,
+   the stage's weights saved. ``before`` is main before issue 22 (the spliced student a
+   deep copy of the teacher, the KL on the full [B, T, V] logits, every tensor cloned at
+   save), rebuilt here from the same parts; ``after`` is ``distill.train.e2e`` as it is.
+   Each cell runs in a fresh process (its own high-water mark, VmHWM), at 1024 and 4096
+   tokens per step (micro-batches of 2 and 8 chunks of 512).
+
 Run it from the repository root::
 
     python bench/memory.py            # 60 s sustained + 10 s flood
     python bench/memory.py --quick    # 10 s + 3 s
+    python bench/memory.py --e2e      # the end-to-end stage, before / after (about 5 minutes)
 """
 
 from __future__ import annotations
@@ -32,13 +43,22 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
 import zmq
-from children import Children, run_broker  # bench/children.py
+from children import SPAWN, Children, run_broker  # bench/children.py
 from pipeline import run_worker, sample_config  # bench/pipeline.py
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from distill.model.assemble import splice
+from distill.model.teacher import Teacher
 from distill.pipeline import DistillIterableDataset, StudentClient, protocol
 from distill.pipeline.protocol import Command
+from distill.replacements.mlp import ResidualMLP
+from distill.train import checkpoint as ckpt
+from distill.train.e2e import E2EStudent, topk_kl
 
 SAMPLE_BYTES = 256 << 10
 BATCH, SLOTS, WORKER_BATCH = 32, 128, 32
@@ -149,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="10 s sustained, 3 s flood")
     parser.add_argument("--seconds", type=float, default=None, help="sustained phase (default 60)")
     parser.add_argument("--flood-seconds", type=float, default=None, help="flood phase (default 10)")
+    parser.add_argument("--e2e", action="store_true", help="the end-to-end stage's peak RSS, before / after")
+    parser.add_argument("--e2e-steps", type=int, default=2, help="training steps per end-to-end cell")
+    parser.add_argument("--e2e-layers", type=int, default=E2E_LAYERS, help="teacher layers (16: ~1B parameters)")
     args = parser.parse_args(argv)
+    if args.e2e:
+        return e2e_main(args.e2e_steps, args.e2e_layers)
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     flood_s = args.flood_seconds or (3.0 if args.quick else 10.0)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -173,6 +198,118 @@ def main(argv: list[str] | None = None) -> int:
           f"{'KiB/min':>12} {'count':>14}")
     for trace, unit in traces:
         print_trace(trace, unit)
+    return 0
+
+
+# ---------------------------------------------------------------------- --e2e
+
+E2E_HIDDEN, E2E_LAYERS, E2E_VOCAB, E2E_SEQ, E2E_TOP_K = 2048, 16, 32000, 512, 32
+E2E_BATCHES = (2, 8)
+"""Micro-batch sizes (chunks of E2E_SEQ tokens) of the end-to-end cells."""
+GIB = 2**30
+
+
+def e2e_teacher_dir(directory: str, num_layers: int) -> str:
+    """A random-weights Llama of about 1B parameters (16 layers) saved in bfloat16."""
+    config = LlamaConfig(vocab_size=E2E_VOCAB, hidden_size=E2E_HIDDEN, intermediate_size=5632,
+                         num_hidden_layers=num_layers, num_attention_heads=16, num_key_value_heads=16,
+                         max_position_embeddings=E2E_SEQ, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory)
+    del model
+    return f"{params / 1e9:.2f}B parameters"
+
+
+def hwm_gib() -> float:
+    """This process's peak resident set size (VmHWM) so far."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GIB
+    raise RuntimeError("no VmHWM")
+
+
+def _e2e_cell(teacher_dir: str, variant: str, batch: int, steps: int, save_dir: str, results) -> None:
+    """One cell in a fresh process: load, build, train, save; the high-water mark after each."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    marks = {}
+    teacher = Teacher.from_pretrained(teacher_dir, dtype="bfloat16")
+    marks["teacher loaded"] = hwm_gib()
+    torch.manual_seed(1)
+    replacements = {idx: ResidualMLP(teacher, idx, hidden_mult=0.25).float() for idx in range(teacher.num_layers)}
+    student = (BeforeStudent if variant == "before" else E2EStudent)(teacher, replacements, "replacements")
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-4)
+    marks["student built"] = hwm_gib()
+    gen = torch.Generator().manual_seed(2)
+    started = time.monotonic()
+    for _ in range(steps):
+        ids_BT = torch.randint(0, E2E_VOCAB, (batch, E2E_SEQ), generator=gen)
+        # what a worker sends: K log-probabilities (descending) and their token ids per token
+        logp_BTK = torch.randn(batch, E2E_SEQ, E2E_TOP_K, generator=gen).sort(-1, descending=True).values - 3.0
+        idx_BTK = torch.randint(0, E2E_VOCAB, (batch, E2E_SEQ, E2E_TOP_K), generator=gen)
+        loss, _ = student(ids_BT, logp_BTK, idx_BTK)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del logp_BTK, idx_BTK, loss
+    marks["training steps"] = hwm_gib()
+    step_s = (time.monotonic() - started) / steps
+    if variant == "before":  # main's _contiguous cloned every tensor before writing
+        save_file({k: v.detach().contiguous().clone() for k, v in student.state_dict().items()},
+                  os.path.join(save_dir, f"{variant}{batch}.safetensors"))
+    else:
+        ckpt.save_stage_weights(Path(save_dir), batch, student)
+    marks["weights saved"] = hwm_gib()
+    results.put({"variant": variant, "batch": batch, "marks": marks, "step_s": step_s})
+
+
+class BeforeStudent(E2EStudent):
+    """The end-to-end student as main had it before issue 22: a deep copy of the teacher (all
+    but the replaced layers) and the KL on the full logits (``topk_kl`` of [B*T, V])."""
+
+    def __init__(self, teacher: Teacher, replacements: dict, trainable: str) -> None:
+        super().__init__(teacher, replacements, trainable)
+        self.model = splice(teacher, replacements).requires_grad_(False)  # the deep copy
+        for replacement in replacements.values():
+            replacement.requires_grad_(True)
+
+    def forward(self, ids_BT: torch.Tensor, logp_BTK: torch.Tensor, idx_BTK: torch.Tensor):
+        final_BTD = self.final_hidden(ids_BT)
+        logits_BTV = self.logits(final_BTD)
+        return topk_kl(logits_BTV.flatten(0, 1), logp_BTK.flatten(0, 1), idx_BTK.flatten(0, 1), 1.0), final_BTD
+
+
+def e2e_main(steps: int, num_layers: int) -> int:
+    """Every (variant, batch) cell in its own process, then one table."""
+    work = tempfile.mkdtemp(prefix="distill-e2e-mem-")
+    rows = []
+    try:
+        described = e2e_teacher_dir(os.path.join(work, "teacher"), num_layers)
+        for batch in E2E_BATCHES:
+            for variant in ("before", "after"):
+                results = SPAWN.Queue()
+                proc = SPAWN.Process(target=_e2e_cell, args=(os.path.join(work, "teacher"), variant, batch,
+                                                              steps, work, results))
+                proc.start()
+                rows.append(results.get(timeout=3600))
+                proc.join(60)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"end-to-end stage peak RSS (VmHWM, GiB): random Llama {described} (hidden {E2E_HIDDEN}, "
+          f"{num_layers} layers, vocab {E2E_VOCAB}, bf16), trainable=replacements ({num_layers} float32 MLPs), "
+          f"{steps} AdamW steps, {os.cpu_count()} CPUs")
+    phases = list(rows[0]["marks"])
+    print(f"{'tokens/step':>11} {'variant':<7} " + " ".join(f"{p:>15}" for p in phases) + f" {'s/step':>7}")
+    for row in rows:
+        print(f"{row['batch'] * E2E_SEQ:>11} {row['variant']:<7} "
+              + " ".join(f"{row['marks'][p]:>15.2f}" for p in phases) + f" {row['step_s']:>7.1f}")
+    for batch in E2E_BATCHES:
+        before, after = ([r for r in rows if r["batch"] == batch and r["variant"] == v][0] for v in ("before", "after"))
+        over = {v: r["marks"]["weights saved"] - r["marks"]["teacher loaded"] for v, r in (("before", before), ("after", after))}
+        print(f"{batch * E2E_SEQ} tokens: stage peak above the loaded teacher {over['before']:.2f} -> "
+              f"{over['after']:.2f} GiB ({over['after'] / over['before']:.2f}x)")
     return 0
 
 

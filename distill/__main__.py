@@ -22,6 +22,7 @@ MODES: dict[str, tuple[str, str]] = {
     "local": ("distill.modes.local", "run_local"),
     "stats": ("distill.modes.stats", "run_stats"),
     "keys": ("distill.modes.keys", "run_keys"),
+    "eval": ("distill.modes.eval", "run_eval"),
 }
 """mode -> (module, entry point); a test keeps it equal to the files of ``conf/mode/``."""
 

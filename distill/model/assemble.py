@@ -1,24 +1,29 @@
-"""The student as an ordinary HF model: replacements spliced into a copy of the teacher.
+"""Students assembled from a teacher and its trained replacements: in memory, on disk, loaded back.
 
-Training keeps replacements outside the teacher (each maps hidden_BTD -> hidden_BTD and
-computes its own causal mask and rotary). To use or ship the result we put each one
-where its teacher layer was, inside a deep copy of the teacher model, so that the
-model's own `forward()` and `generate()` run it. This module owns that splice and the
-on-disk format of a student:
+`splice` puts replacements into a copy of the teacher model (the end-to-end stage trains
+that). `export_student` writes the student as an HF-native model directory, loadable where
+distill is not installed:
 
     out_dir/
-        config.json, generation_config.json   the teacher's (use_cache=False)
-        tokenizer files                        when a tokenizer is given
-        model.safetensors                      state_dict of the whole spliced model
-        distill_student.json                   {"format": 1, "family", "teacher_source",
-                                                "layers": {"<l>": replacement Hydra cfg}}
+        config.json                 model_type distill_llama / distill_bert, auto_map, the
+                                    teacher's keys, distill_layers (see distill.model.modeling)
+        configuration_distill_*.py  the student's own config and modeling code (copied from
+        modeling_distill_*.py       distill.model.modeling; torch + transformers only)
+        model.safetensors           every weight, under the modeling code's names
+        generation_config.json      decoders (use_cache=True)
+        tokenizer files             when a tokenizer is given
+        distill_student.json        {"format": 2, "family", "teacher_source",
+                                     "layers": {"<l>": replacement Hydra cfg}}
+        README.md                   the model card (written by distill.results.card)
 
-and `load_student`, which rebuilds exactly that model from the directory alone.
+    AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)  # AutoModel: encoders
 
-Replacements keep no KV cache, so a spliced model runs with `use_cache=False`: every
-`generate()` step re-runs the whole sequence (quadratic in its length). Like the
-teacher, replacements assume unpadded sequences at positions 0..T-1; padding masks and
-`position_ids` given to the model are not seen by spliced layers.
+`load_student` loads it with distill's copy of the same classes (the same logits), and still
+reads format 1 (the spliced teacher model of earlier versions, `use_cache=False`), which it
+rebuilds into the native model.
+
+`splice`'s spliced layers assume unpadded sequences at positions 0..T-1 and keep no cache
+(`use_cache=False`); the native student takes padding masks, position ids and a cache.
 
 Shape legend: B batch, T sequence length, D hidden size.
 """
@@ -38,7 +43,8 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from distill.model.teacher import TORCH_DTYPES, Teacher, model_class, parse_dtype
+from distill.model.native import WEIGHTS_FILE, build_native, load_native, write_native
+from distill.model.teacher import TORCH_DTYPES, Teacher, call_in_own_dtype, model_class, parse_dtype
 
 try:  # how transformers 5.x collects output_hidden_states; see _record_hidden_states
     from transformers.utils.output_capturing import (
@@ -50,11 +56,13 @@ except ImportError:  # pragma: no cover - other transformers versions
 
 log = logging.getLogger(__name__)
 
-STUDENT_FORMAT = 1
-"""Version of `distill_student.json`; bump when the directory layout changes."""
+STUDENT_FORMAT = 2
+"""Version of `distill_student.json`; bump when the directory layout changes (2: HF-native)."""
+
+LEGACY_FORMAT = 1
+"""The spliced-teacher layout of earlier versions, still read by `load_student`."""
 
 STUDENT_FILE = "distill_student.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 class SplicedLayer(nn.Module):
@@ -64,7 +72,8 @@ class SplicedLayer(nn.Module):
     `position_embeddings`, `cache`, ...) and ignores all but `hidden_states`, because a
     replacement builds its own causal mask and rotary embeddings. In transformers 5.x
     both `LlamaModel` and `BertEncoder` take a plain tensor back from each layer, so
-    that is what this returns.
+    that is what this returns, in the dtype it got (a float32 replacement in a bfloat16
+    teacher computes in float32: `call_in_own_dtype`).
     """
 
     def __init__(self, replacement: nn.Module) -> None:
@@ -73,7 +82,7 @@ class SplicedLayer(nn.Module):
         self.layer_idx = getattr(replacement, "layer_idx", None)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """replacement(hidden_states); refuses a KV cache, which it could not keep up."""
+        """replacement(hidden_states) in its own dtype; refuses a KV cache, which it could not keep up."""
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(
                 f"A KV cache reached spliced layer {self.layer_idx}, but replacements keep none "
@@ -81,10 +90,10 @@ class SplicedLayer(nn.Module):
                 "(its config already defaults to it)."
             )
         if _active_collector is None:
-            return self.replacement(hidden_states)
+            return call_in_own_dtype(self.replacement, hidden_states)
         token = _active_collector.set(None)  # inner HF layers must not record outputs
         try:
-            return self.replacement(hidden_states)
+            return call_in_own_dtype(self.replacement, hidden_states)
         finally:
             _active_collector.reset(token)
 
@@ -92,8 +101,9 @@ class SplicedLayer(nn.Module):
 # ---------------------------------------------------------------------- splice
 
 
-def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers.PreTrainedModel:
-    """A deep copy of `teacher.model` with layer l replaced by `replacements[l]`.
+def splice(teacher: Teacher, replacements: dict[int, nn.Module],
+           share_weights: bool = False) -> transformers.PreTrainedModel:
+    """A copy of `teacher.model` with layer l replaced by `replacements[l]`.
 
     The teacher model is left untouched (it keeps producing targets); the replacement
     modules themselves are not copied, so the result shares their weights and sees
@@ -102,12 +112,19 @@ def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers
     Replacements that call `teacher.run_layer` (TeacherCopy, PrunedLayer, LowRankLayer)
     take rotary embeddings and masks from the teacher, so keep the result on the
     teacher's device; `load_student` builds a self-contained model instead.
+
+    `share_weights=True` copies only the module tree: every parameter and buffer is
+    the teacher's own tensor, so a frozen base costs no second copy of the embeddings,
+    head and kept layers (for a 1B Llama with a 32k vocabulary, 0.5 GB in float32).
+    Training such a result must leave the teacher's parameters frozen.
     """
     teacher.check_layer_idxs(list(replacements))
     # Map the teacher layers about to be replaced to themselves: they are never copied.
     memo = {id(teacher.layers[idx]): teacher.layers[idx] for idx in replacements}
+    if share_weights:
+        memo.update({id(t): t for t in (*teacher.model.parameters(), *teacher.model.buffers())})
     model = copy.deepcopy(teacher.model, memo)
-    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    _splice_in_place(model, layer_list_name(teacher), replacements)
     return model
 
 
@@ -125,7 +142,7 @@ def _splice_in_place(
         model.generation_config.use_cache = False
 
 
-def _layer_list_name(teacher: Teacher) -> str:
+def layer_list_name(teacher: Teacher) -> str:
     """Dotted name of the teacher's layer ModuleList inside `teacher.model`.
 
     Found by identity, so the family's layout stays decided in `distill.model.teacher` alone.
@@ -160,27 +177,20 @@ def export_student(
     replacement_cfgs: dict[int, dict | DictConfig],
     out_dir: str,
     tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
-    """Write the spliced student to `out_dir` (layout in the module docstring); returns it.
+    """Write the HF-native student to `out_dir` (layout in the module docstring); returns it.
 
     `replacement_cfgs[l]` is the Hydra config that built `replacements[l]` (with
-    `_target_` and `_partial_`), stored as a plain dict so `load_student` can rebuild the
-    same architecture before loading the weights.
+    `_target_` and `_partial_`), kept in distill_student.json as the record of what was
+    trained; the model itself is rebuilt from config.json alone. The weights are saved in
+    `dtype` (default: the teacher's), the dtype config.json then declares.
     """
     _check_cfgs(replacements, replacement_cfgs)
-    os.makedirs(out_dir, exist_ok=True)
-    model = splice(teacher, replacements)
-    model.config.architectures = [type(model).__name__]
-    model.config.dtype = teacher.dtype
-    model.config.save_pretrained(out_dir)
-    if model.can_generate() and getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out_dir)
+    specs = {idx: module.layer_spec() for idx, module in replacements.items()}
+    write_native(out_dir, teacher, replacements, specs, dtype=dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    # save_model drops all but one name of tensors shared in memory (tied embeddings).
-    safetensors.torch.save_model(
-        model, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"}
-    )
     manifest = {
         "format": STUDENT_FORMAT,
         "family": teacher.family,
@@ -221,17 +231,31 @@ def _plain_cfg(cfg: dict | DictConfig) -> dict:
 def load_student(
     path: str, device: str = "cpu", dtype: str | None = None
 ) -> transformers.PreTrainedModel:
-    """Rebuild a student written by `export_student`, ready for `forward()` and `generate()`.
+    """Load a student written by `export_student`, ready for `forward()` and `generate()`.
 
         from distill import load_student
         model = load_student("outputs/.../student")
 
-    Builds the architecture from config.json, wraps it in a `Teacher`, instantiates each
-    replacement from its saved config, splices them in place and loads model.safetensors
-    strictly. `dtype` ("float32", "bfloat16", "float16") defaults to the saved one. The
-    model comes back in eval mode with gradients off, like the teacher it was made from.
+    The HF-native model of the directory (what `AutoModelForCausalLM.from_pretrained(path,
+    trust_remote_code=True)` gives, through distill's copy of its modeling code), every
+    weight checked present and used. `dtype` ("float32", "bfloat16", "float16") defaults to
+    the saved one. A format-1 directory (distill before the native export) is rebuilt into
+    the same native model. The model comes back in eval mode with gradients off.
     """
     manifest = _read_manifest(path)
+    torch_dtype = _student_dtype(dtype, None) if dtype is not None else None
+    if manifest["format"] == LEGACY_FORMAT:
+        model = _load_legacy(path, manifest, device, dtype)
+    else:
+        model = load_native(path, dtype=torch_dtype, device=device)
+    log.info("loaded student from %s: layers %s replaced", path, sorted(int(k) for k in manifest["layers"]))
+    return model
+
+
+def _load_legacy(path: str, manifest: dict, device: str, dtype: str | None) -> transformers.PreTrainedModel:
+    """A format-1 directory: the spliced teacher model rebuilt and checked as before, then made native."""
+    log.info("%s is a format-1 student (no cache, no padding masks); loading it as the native model. "
+             "Re-export it (save_pretrained of the loaded model) to keep it that way.", path)
     model = _build_from_config(path, manifest["family"], dtype)
     state = safetensors.torch.load_file(os.path.join(path, WEIGHTS_FILE))  # mmap on CPU
     # Teacher parts first, so replacements initialise from the real embeddings and rotary.
@@ -239,11 +263,15 @@ def load_student(
     model.load_state_dict({k: v for k, v in state.items() if k in own_keys}, strict=False)
     teacher = Teacher(model, device=device)
     replacements = _build_replacements(teacher, manifest["layers"])
-    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    layers_name = layer_list_name(teacher)
+    originals = {idx: teacher.layers[idx] for idx in replacements}
+    _splice_in_place(model, layers_name, replacements)
     _load_strict(model, state, path)
-    model.eval().requires_grad_(False)
-    log.info("loaded student from %s: layers %s replaced", path, sorted(replacements))
-    return model
+    layers = model.get_submodule(layers_name)
+    for idx, layer in originals.items():  # the teacher's layers back: the native build reads them
+        layers[idx] = layer
+    specs = {idx: module.layer_spec() for idx, module in replacements.items()}
+    return build_native(teacher, replacements, specs, dtype=teacher.dtype)
 
 
 def _build_replacements(teacher: Teacher, layer_cfgs: dict[str, dict]) -> dict[int, nn.Module]:
@@ -269,10 +297,11 @@ def _read_manifest(path: str) -> dict:
         )
     with open(manifest_path) as f:
         manifest = json.load(f)
-    if manifest.get("format") != STUDENT_FORMAT:
+    if manifest.get("format") not in (LEGACY_FORMAT, STUDENT_FORMAT):
         raise ValueError(
-            f"{manifest_path} has format {manifest.get('format')!r}; this distill reads format "
-            f"{STUDENT_FORMAT}. Re-export the student or use the distill version that wrote it."
+            f"{manifest_path} has format {manifest.get('format')!r}; this distill reads formats "
+            f"{LEGACY_FORMAT} and {STUDENT_FORMAT}. Re-export the student or use the distill version "
+            "that wrote it."
         )
     return manifest
 
@@ -293,7 +322,7 @@ def _build_from_config(path: str, family: str, dtype: str | None) -> transformer
     return model
 
 
-def _student_dtype(dtype: str | None, config: transformers.PretrainedConfig) -> torch.dtype:
+def _student_dtype(dtype: str | None, config: transformers.PretrainedConfig | None) -> torch.dtype:
     """`dtype` by name, else the dtype recorded in config.json at export (float32 if none)."""
     if dtype is not None:
         if dtype not in TORCH_DTYPES:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distill.model.teacher import Teacher
+from distill.model.teacher import Teacher, call_in_own_dtype
 
 log = logging.getLogger(__name__)
 
@@ -339,11 +339,14 @@ def _spliced_alone(teacher: Teacher, idx: int, replacement: nn.Module) -> list[L
 def _run_layers(
     teacher: Teacher, layers: Sequence[Layer], hidden_BTD: torch.Tensor, start_idx: int
 ) -> torch.Tensor:
-    """Run layers[start_idx:] on `hidden_BTD`, the input of layer `start_idx`."""
+    """Run layers[start_idx:] on `hidden_BTD`, the input of layer `start_idx`; the stream
+    stays in the teacher's dtype, replacements compute in their own (`call_in_own_dtype`)."""
     teacher_layer_ids = {id(layer) for layer in teacher.layers}
     for layer in layers[start_idx:]:
         if id(layer) in teacher_layer_ids:
             hidden_BTD = teacher.run_layer(layer, hidden_BTD)
+        elif isinstance(layer, nn.Module):
+            hidden_BTD = call_in_own_dtype(layer, hidden_BTD)
         else:
             hidden_BTD = layer(hidden_BTD)
     return hidden_BTD

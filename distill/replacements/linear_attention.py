@@ -8,34 +8,38 @@ pull it towards the teacher's softmax attention. Everything else (q/k/v/o projec
 rotary for the llama family, norms, MLP) is copied from the teacher layer, so only the
 attention kernel starts from scratch.
 
-Decoders use a causal kernel computed chunk by chunk: exact masked attention inside a
-chunk plus a running (prefix-summed) state from earlier chunks, which keeps memory at
-O(T * C + T / C * F * E) instead of the O(T * F * E) of a per-token cumsum. All kernel
-math runs in float32; features are positive, so the normaliser never cancels.
+The block and its kernels are those of the exported student's modeling code
+(``distill.model.modeling.modeling_distill_{llama,bert}``: ``LinearAttentionBlock``,
+``causal_linear_attention``, ``linear_attention_step``): decoders train the chunked form
+(exact masked attention inside a chunk plus a running state from earlier chunks, O(T * C +
+T / C * F * E) memory) and decode with the recurrent one, one state per layer in the
+model's cache. All kernel math runs in float32; features are positive, so the normaliser
+never cancels.
 
-Shape legend: B batch, T sequence length, D hidden size, H attention heads, K KV heads,
-E head size, F features per head, N chunks, C chunk length.
+Shape legend: B batch, T sequence length, D hidden size.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from distill.replacements import copy_teacher_layer, linear_flops_per_token
+from distill.model.modeling import modeling_distill_bert, modeling_distill_llama
+from distill.model.native import student_config
+from distill.replacements import copy_teacher_layer, linear_flops_per_token, teacher_rotary
 
 if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
     from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
-FEATURE_MAPS = ("hedgehog", "elu")
-DENOMINATOR_EPS = 1e-6
+FEATURE_MAPS = modeling_distill_llama.FEATURE_MAPS
 
 # Children each rebuilt block knows how to use, per family and owner ("" is the layer).
 # Anything else (Gemma's extra norms, relative position tables, ...) would be silently
@@ -52,224 +56,10 @@ _KNOWN_CHILDREN: dict[str, dict[str, set[str]]] = {
     },
 }
 
-
-class FeatureMap(nn.Module):
-    """Per-head learnable map from a head vector to positive features.
-
-    ``hedgehog``: ``[softmax(xW + b), softmax(-(xW + b))]`` (2 * feature_dim features).
-    ``elu``: ``elu(xW + b) + 1`` (feature_dim features). ``W`` starts as the identity (padded
-    or cut when feature_dim != head size), so the first features follow the raw q/k.
-    """
-
-    def __init__(
-        self, num_heads: int, head_dim: int, feature_dim: int, kind: str, **factory: object
-    ) -> None:
-        super().__init__()
-        eye_EF = torch.eye(head_dim, feature_dim, **factory)
-        self.weight_HEF = nn.Parameter(eye_EF.expand(num_heads, -1, -1).clone())
-        self.bias_HF = nn.Parameter(torch.zeros(num_heads, feature_dim, **factory))
-        self.kind = kind
-
-    @property
-    def num_features(self) -> int:
-        """Features per head this map produces."""
-        width = self.weight_HEF.shape[-1]
-        return 2 * width if self.kind == "hedgehog" else width
-
-    def forward(self, x_BHTE: torch.Tensor) -> torch.Tensor:
-        """Map head vectors to float32 positive features."""
-        proj_BHTF = torch.einsum("bhte,hef->bhtf", x_BHTE.float(), self.weight_HEF.float())
-        proj_BHTF = proj_BHTF + self.bias_HF.float()[:, None, :]
-        if self.kind == "elu":
-            return F.elu(proj_BHTF) + 1
-        return torch.cat([proj_BHTF.softmax(dim=-1), (-proj_BHTF).softmax(dim=-1)], dim=-1)
-
-    def flops_per_token(self) -> int:
-        """The per-head projection; the nonlinearity is elementwise and not counted."""
-        num_heads, head_dim, feature_dim = self.weight_HEF.shape
-        return 2 * num_heads * head_dim * feature_dim
-
-
-def causal_linear_attention(
-    phi_q_BHTF: torch.Tensor, phi_k_BHTF: torch.Tensor, v_BHTE: torch.Tensor, chunk_size: int
-) -> torch.Tensor:
-    """``out_t = sum_{s<=t} (phi_q_t . phi_k_s) v_s / sum_{s<=t} (phi_q_t . phi_k_s)``.
-
-    Chunked: masked quadratic attention inside each chunk of ``chunk_size`` positions, plus
-    the exclusive prefix sum of the earlier chunks' states. Padding positions have zero
-    features, so they add nothing to any state.
-    """
-    seq_len = phi_q_BHTF.shape[2]
-    chunk = min(chunk_size, seq_len)
-    pad = -seq_len % chunk
-    q_BHNCF, k_BHNCF, v_BHNCE = (
-        F.pad(x.float(), (0, 0, 0, pad)).unflatten(2, (-1, chunk))
-        for x in (phi_q_BHTF, phi_k_BHTF, v_BHTE)
-    )
-    mask_CC = torch.ones(chunk, chunk, dtype=torch.bool, device=q_BHNCF.device).tril()
-    scores_BHNCC = (q_BHNCF @ k_BHNCF.transpose(-1, -2)).masked_fill(~mask_CC, 0.0)
-    state_BHNFE = _exclusive_cumsum(k_BHNCF.transpose(-1, -2) @ v_BHNCE)
-    keysum_BHNF = _exclusive_cumsum(k_BHNCF.sum(dim=-2))
-    num_BHNCE = scores_BHNCC @ v_BHNCE + q_BHNCF @ state_BHNFE
-    den_BHNC = scores_BHNCC.sum(dim=-1) + (q_BHNCF @ keysum_BHNF.unsqueeze(-1)).squeeze(-1)
-    out_BHNCE = num_BHNCE / (den_BHNC.unsqueeze(-1) + DENOMINATOR_EPS)
-    return out_BHNCE.flatten(2, 3)[:, :, :seq_len]
-
-
-def bidirectional_linear_attention(
-    phi_q_BHTF: torch.Tensor, phi_k_BHTF: torch.Tensor, v_BHTE: torch.Tensor
-) -> torch.Tensor:
-    """``out_t = sum_s (phi_q_t . phi_k_s) v_s / sum_s (phi_q_t . phi_k_s)`` over all s."""
-    q_BHTF, k_BHTF, v_BHTE = phi_q_BHTF.float(), phi_k_BHTF.float(), v_BHTE.float()
-    state_BHFE = k_BHTF.transpose(-1, -2) @ v_BHTE
-    den_BHT1 = q_BHTF @ k_BHTF.sum(dim=-2).unsqueeze(-1)
-    return (q_BHTF @ state_BHFE) / (den_BHT1 + DENOMINATOR_EPS)
-
-
-def _exclusive_cumsum(per_chunk: torch.Tensor) -> torch.Tensor:
-    """``(B, H, N, ...)``: for each chunk, the sum over the chunks strictly before it."""
-    total = per_chunk.cumsum(dim=2)
-    return torch.cat([torch.zeros_like(total[:, :, :1]), total[:, :, :-1]], dim=2)
-
-
-class LinearAttention(nn.Module):
-    """Learnable feature maps for q and k plus the causal or bidirectional kernel."""
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        feature_map: str,
-        feature_dim: int,
-        causal: bool,
-        chunk_size: int,
-        **factory: object,
-    ) -> None:
-        super().__init__()
-        self.q_features = FeatureMap(num_heads, head_dim, feature_dim, feature_map, **factory)
-        self.k_features = FeatureMap(num_heads, head_dim, feature_dim, feature_map, **factory)
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.causal = causal
-        self.chunk_size = chunk_size
-
-    def forward(
-        self, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor
-    ) -> torch.Tensor:
-        """Attend with the learned features; returns float32 ``out_BHTE``."""
-        phi_q_BHTF, phi_k_BHTF = self.q_features(q_BHTE), self.k_features(k_BHTE)
-        if self.causal:
-            return causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, self.chunk_size)
-        return bidirectional_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE)
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Feature maps plus kernel multiply-adds per token, over all heads.
-
-        Per head: the state update and the readout are F * E each, the normaliser F each;
-        the causal kernel adds the full C x C in-chunk scores and values (C * (F + E)).
-        """
-        features, head_dim = self.q_features.num_features, self.head_dim
-        macs = 2 * features * head_dim + 2 * features
-        if self.causal:
-            macs += min(self.chunk_size, seq_len) * (features + head_dim)
-        maps = self.q_features.flops_per_token() + self.k_features.flops_per_token()
-        return maps + 2 * self.num_heads * macs
-
-
-def _apply_rotary(
-    x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor
-) -> torch.Tensor:
-    """Rotary position embedding as Llama/Qwen2/Mistral apply it (rotate-half layout)."""
-    half = x_BHTE.shape[-1] // 2
-    rotated_BHTE = torch.cat([-x_BHTE[..., half:], x_BHTE[..., :half]], dim=-1)
-    return x_BHTE * cos_BTE.unsqueeze(1) + rotated_BHTE * sin_BTE.unsqueeze(1)
-
-
-def _split_heads(x_BTD: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``(B, T, heads * E) -> (B, heads, T, E)``."""
-    return x_BTD.unflatten(-1, (-1, head_dim)).transpose(1, 2)
-
-
-def _merge_heads(x_BHTE: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, H, T, E) -> (B, T, H * E)`` in the model's dtype."""
-    return x_BHTE.transpose(1, 2).flatten(2).to(dtype)
-
-
-class _DecoderBlock(nn.Module):
-    """Llama-family pre-norm layer with linear attention; modules copied from the teacher."""
-
-    def __init__(self, teacher: Teacher, layer: nn.Module, **options: object) -> None:
-        super().__init__()
-        attn = layer.self_attn
-        self.input_layernorm = layer.input_layernorm
-        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
-        self.o_proj = attn.o_proj
-        # Per-head RMSNorm on q and k before rotary (Qwen3); absent in Llama/Qwen2/Mistral.
-        self.q_norm = getattr(attn, "q_norm", nn.Identity())
-        self.k_norm = getattr(attn, "k_norm", nn.Identity())
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp = layer.mlp
-        self.rotary_emb = copy.deepcopy(_rotary_embedding(teacher))
-        self.head_dim = attn.head_dim
-        self.num_kv_groups = attn.num_key_value_groups
-        num_heads = attn.q_proj.out_features // attn.head_dim
-        factory = {"device": teacher.device, "dtype": teacher.dtype}
-        self.attention = LinearAttention(
-            num_heads, attn.head_dim, causal=teacher.causal, **options, **factory
-        )
-
-    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Pre-norm attention residual, then pre-norm MLP residual, as in the teacher."""
-        normed_BTD = self.input_layernorm(hidden_BTD)
-        q_BHTE = self.q_norm(_split_heads(self.q_proj(normed_BTD), self.head_dim))
-        k_BKTE = self.k_norm(_split_heads(self.k_proj(normed_BTD), self.head_dim))
-        v_BKTE = _split_heads(self.v_proj(normed_BTD), self.head_dim)
-        positions_BT = torch.arange(hidden_BTD.shape[1], device=hidden_BTD.device)[None]
-        cos_BTE, sin_BTE = self.rotary_emb(hidden_BTD, positions_BT)
-        q_BHTE = _apply_rotary(q_BHTE, cos_BTE, sin_BTE)
-        k_BHTE = _apply_rotary(k_BKTE, cos_BTE, sin_BTE).repeat_interleave(self.num_kv_groups, 1)
-        v_BHTE = v_BKTE.repeat_interleave(self.num_kv_groups, 1)
-        attended_BTD = _merge_heads(self.attention(q_BHTE, k_BHTE, v_BHTE), hidden_BTD.dtype)
-        hidden_BTD = hidden_BTD + self.o_proj(attended_BTD)
-        return hidden_BTD + self.mlp(self.post_attention_layernorm(hidden_BTD))
-
-
-class _EncoderBlock(nn.Module):
-    """BertLayer structure with linear attention; modules copied from the teacher.
-
-    Post-norm as in BERT: ``LayerNorm(x + dense(attn))`` then
-    ``LayerNorm(a + out(act(intermediate(a))))``, reusing the teacher's ``BertSelfOutput``,
-    ``BertIntermediate`` and ``BertOutput`` modules as they are.
-    """
-
-    def __init__(self, teacher: Teacher, layer: nn.Module, **options: object) -> None:
-        super().__init__()
-        self_attn = layer.attention.self
-        self.query, self.key, self.value = self_attn.query, self_attn.key, self_attn.value
-        self.attention_output = layer.attention.output
-        self.intermediate = layer.intermediate
-        self.output = layer.output
-        self.head_dim = self_attn.attention_head_size
-        factory = {"device": teacher.device, "dtype": teacher.dtype}
-        self.attention = LinearAttention(
-            self_attn.num_attention_heads,
-            self.head_dim,
-            causal=teacher.causal,
-            **options,
-            **factory,
-        )
-
-    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Attention with residual LayerNorm, then the feed-forward with residual LayerNorm."""
-        q_BHTE = _split_heads(self.query(hidden_BTD), self.head_dim)
-        k_BHTE = _split_heads(self.key(hidden_BTD), self.head_dim)
-        v_BHTE = _split_heads(self.value(hidden_BTD), self.head_dim)
-        attended_BTD = _merge_heads(self.attention(q_BHTE, k_BHTE, v_BHTE), hidden_BTD.dtype)
-        attn_BTD = self.attention_output(attended_BTD, hidden_BTD)
-        return self.output(self.intermediate(attn_BTD), attn_BTD)
-
-
-_BLOCKS: dict[str, type[nn.Module]] = {"llama": _DecoderBlock, "bert": _EncoderBlock}
+_BLOCKS: dict[str, type[nn.Module]] = {
+    "llama": modeling_distill_llama.LinearAttentionBlock,
+    "bert": modeling_distill_bert.LinearAttentionBlock,
+}
 
 
 class LinearAttentionLayer(nn.Module):
@@ -296,19 +86,29 @@ class LinearAttentionLayer(nn.Module):
         _check_options(teacher.family, feature_map, feature_dim, chunk_size)
         layer = copy_teacher_layer(teacher, layer_idx)
         _check_structure(teacher.family, layer)
-        head_dim = _head_dim(teacher.family, layer)
         self.layer_idx = layer_idx
-        self.block = _BLOCKS[teacher.family](
-            teacher,
-            layer,
-            feature_map=feature_map,
-            feature_dim=feature_dim or head_dim,
-            chunk_size=chunk_size,
-        )
+        self.spec = {"kind": "linear_attention", "feature_map": feature_map,
+                     "feature_dim": feature_dim or _head_dim(teacher.family, layer), "chunk_size": chunk_size}
+        config = student_config(teacher, {layer_idx: self.spec}, for_export=False)
+        if teacher.family == "bert":
+            self.block = modeling_distill_bert.LinearAttentionBlock(config, layer_idx, layer=layer)
+        else:
+            rotary_emb = copy.deepcopy(teacher_rotary(teacher))
+            self.block = modeling_distill_llama.LinearAttentionBlock(config, layer_idx, layer, rotary_emb)
 
-    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Run the block; same shape and dtype out."""
-        return self.block(hidden_BTD)
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Run the block (chunked, or one recurrent step per new token with a cache)."""
+        return self.block(hidden_BTD, attention_mask, position_ids, cache)
+
+    def layer_spec(self) -> dict[str, Any]:
+        """This layer's entry in the exported student's ``config.distill_layers``."""
+        return dict(self.spec)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Linear maps (projections, MLP) plus the linear-attention kernel."""
@@ -350,15 +150,3 @@ def _head_dim(family: str, layer: nn.Module) -> int:
     if family == "bert":
         return layer.attention.self.attention_head_size
     return layer.self_attn.head_dim
-
-
-def _rotary_embedding(teacher: Teacher) -> nn.Module:
-    """The teacher model's rotary embedding module (llama family keeps one per model)."""
-    rotary = getattr(teacher.model.base_model, "rotary_emb", None)
-    if rotary is None:
-        raise ValueError(
-            f"replacement=linear_attention found no rotary_emb on the {teacher.family!r} teacher "
-            f"{type(teacher.model).__name__}; only Llama/Qwen2/Mistral-style decoders and BERT "
-            "encoders are supported."
-        )
-    return rotary

@@ -11,16 +11,27 @@ features, R rank.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from distill.replacements import TeacherHandle, copy_teacher_layer, linear_flops_per_token
+from distill.model.modeling.modeling_distill_llama import LowRankLinear as _LowRankLinear
+from distill.replacements import (
+    TeacherHandle,
+    copy_teacher_layer,
+    linear_flops_per_token,
+    run_teacher_class_layer,
+    teacher_layer_type,
+    teacher_rotary,
+)
 
 if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
     from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -28,20 +39,12 @@ log = logging.getLogger(__name__)
 DEFAULT_RANK_FRACTION = 0.25
 
 
-class LowRankLinear(nn.Module):
+class LowRankLinear(_LowRankLinear):
     """``x -> up(down(x))``: an ``O x I`` map stored as ``O x R`` and ``R x I`` factors.
 
-    Both factors are plain ``nn.Linear`` modules so that generic accounting (FLOPs,
-    parameter counts, weight decay groups) sees them like any other linear map.
+    The exported student's class (both factors plain ``nn.Linear`` modules, so generic
+    accounting sees them like any other linear map), plus its initialisation from a dense map.
     """
-
-    def __init__(self, down: nn.Linear, up: nn.Linear) -> None:
-        super().__init__()
-        self.down = down
-        self.up = up
-        self.in_features = down.in_features
-        self.out_features = up.out_features
-        self.rank = down.out_features
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int) -> LowRankLinear:
@@ -54,21 +57,13 @@ class LowRankLinear(nn.Module):
         u_OR, s_R, vh_RI = torch.linalg.svd(weight_OI, full_matrices=False)
         sqrt_s_R = s_R[:rank].sqrt()
         factory = {"device": linear.weight.device, "dtype": linear.weight.dtype}
-        down = nn.Linear(linear.in_features, rank, bias=False, **factory)
-        up = nn.Linear(rank, linear.out_features, bias=linear.bias is not None, **factory)
+        low_rank = cls(linear.in_features, linear.out_features, rank, linear.bias is not None, **factory)
         with torch.no_grad():
-            down.weight.copy_(sqrt_s_R[:, None] * vh_RI[:rank])
-            up.weight.copy_(u_OR[:, :rank] * sqrt_s_R[None, :])
+            low_rank.down.weight.copy_(sqrt_s_R[:, None] * vh_RI[:rank])
+            low_rank.up.weight.copy_(u_OR[:, :rank] * sqrt_s_R[None, :])
             if linear.bias is not None:
-                up.bias.copy_(linear.bias)
-        return cls(down, up)
-
-    def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
-        """Apply the factorised map."""
-        return self.up(self.down(x_BTI))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"
+                low_rank.up.bias.copy_(linear.bias)
+        return low_rank
 
 
 class LowRankLayer(nn.Module):
@@ -99,12 +94,28 @@ class LowRankLayer(nn.Module):
         for name, linear in targets.items():
             self.layer.set_submodule(name, LowRankLinear.from_linear(linear, ranks[name]))
         self.layer.requires_grad_(True)
+        self.ranks = ranks
+        rotary = teacher_rotary(teacher)
+        self.rotary_emb = copy.deepcopy(rotary) if rotary is not None else None
+        self.layer_type = teacher_layer_type(teacher, layer_idx)
+        self.family = teacher.family
         self.teacher_handle = TeacherHandle(teacher)
         log.debug("layer %d low-rank maps: %s", layer_idx, ranks)
 
-    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Run the factorised layer through ``teacher.run_layer`` like the original."""
-        return self.teacher_handle.teacher.run_layer(self.layer, hidden_BTD)
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Run the factorised layer with the teacher's masks and positions (its own KV cache)."""
+        return run_teacher_class_layer(self.family, self.layer, self.rotary_emb, self.layer_type,
+                                       hidden_BTD, attention_mask, position_ids, cache)
+
+    def layer_spec(self) -> dict[str, Any]:
+        """The teacher's layer class with the named linear maps factorised at these ranks."""
+        return {"kind": "lowrank", "ranks": dict(self.ranks)}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Teacher layer cost minus what the factorisation saves on its linear maps.

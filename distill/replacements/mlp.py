@@ -10,15 +10,18 @@ Shape legend: B batch, T sequence length, D hidden size, H MLP hidden units.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from distill.model.modeling.modeling_distill_llama import store_state
 from distill.replacements import check_layer_idx, linear_flops_per_token
 
 if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
     from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -55,14 +58,29 @@ class ResidualMLP(nn.Module):
         self.norm = _make_norm(teacher, **factory)
         self.up = nn.Linear(hidden_size, num_units, **factory)
         self.act = ACT2FN[activation]
+        self.activation = activation
         self.down = nn.Linear(num_units, hidden_size, **factory)
         nn.init.normal_(self.down.weight, std=output_init_std)
         nn.init.zeros_(self.down.bias)
 
-    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Add the MLP's update to the residual stream, token by token."""
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Add the MLP's update to the residual stream, token by token (padding is irrelevant;
+        a cache only counts the positions)."""
+        store_state(cache, self.layer_idx, None, hidden_BTD.shape[1])
         update_BTH = self.act(self.up(self.norm(hidden_BTD)))
         return hidden_BTD + self.down(update_BTH)
+
+    def layer_spec(self) -> dict[str, Any]:
+        """Sizes, activation and norm of the MLP, as the exported student rebuilds it."""
+        norm = "layer" if isinstance(self.norm, nn.LayerNorm) else "rms"
+        return {"kind": "mlp", "hidden_units": self.up.out_features, "activation": self.activation,
+                "norm": norm, "norm_eps": float(self.norm.eps)}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Two matmuls per token; independent of ``seq_len`` (no token mixing)."""

@@ -15,15 +15,24 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from distill.replacements import TeacherHandle, check_layer_idx, linear_flops_per_token
+from distill.replacements import (
+    TeacherHandle,
+    check_layer_idx,
+    linear_flops_per_token,
+    run_teacher_class_layer,
+    teacher_layer_type,
+    teacher_rotary,
+)
 
 if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
     from distill.model.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -94,17 +103,33 @@ class PrunedLayer(nn.Module):
                 "replacement.intermediate_size or replacement.num_key_value_heads."
             )
         state = _pruned_state(teacher_layer, layout, config, num_units, num_kv, kv_merge)
+        self.config_overrides: dict[str, int] = {}
         if num_units is not None:
-            config.intermediate_size = num_units
+            config.intermediate_size = self.config_overrides["intermediate_size"] = num_units
         if num_kv is not None:
-            config.num_key_value_heads = num_kv
+            config.num_key_value_heads = self.config_overrides["num_key_value_heads"] = num_kv
         self.layer_idx = layer_idx
         self.layer = _build_layer(type(teacher_layer), config, layer_idx, state)
+        rotary = teacher_rotary(teacher)
+        self.rotary_emb = copy.deepcopy(rotary) if rotary is not None else None
+        self.layer_type = teacher_layer_type(teacher, layer_idx)
+        self.family = teacher.family
         self.teacher_handle = TeacherHandle(teacher)
 
-    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Run the smaller HF layer through ``teacher.run_layer`` like the original."""
-        return self.teacher_handle.teacher.run_layer(self.layer, hidden_BTD)
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Run the smaller HF layer with the teacher's masks and positions (its own KV cache)."""
+        return run_teacher_class_layer(self.family, self.layer, self.rotary_emb, self.layer_type,
+                                       hidden_BTD, attention_mask, position_ids, cache)
+
+    def layer_spec(self) -> dict[str, Any]:
+        """The teacher's layer class, built from its config with the pruned sizes."""
+        return {"kind": "pruned", "config_overrides": dict(self.config_overrides)}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Teacher layer cost minus what the narrower linear maps save.

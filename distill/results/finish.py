@@ -2,8 +2,9 @@
 
 The trained replacements come back from their stage files (or, after an end-to-end
 stage, the whole trained student); the student is exported as a model directory,
-scored against the teacher on the held-out chunks, and the run's answer is written:
-``report.md`` (with ``losses.png``) and ``result.json``.
+scored against the teacher on the held-out chunks, and (causal LMs) loaded back from that
+directory and timed against the teacher at decoding with a long context; the run's answer
+is written: ``report.md`` (with ``losses.png``), ``result.json`` and the student's model card.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import os
 from omegaconf import OmegaConf
 from torch import nn
 
-from distill.model.assemble import export_student
-from distill.model.evaluate import EvalResult, evaluate, score_student
+from distill.model.assemble import export_student, load_student
+from distill.model.decode import measure_decode
+from distill.model.evaluate import EvalResult, evaluate, metric_kind, score_student
 from distill.model.sources import load_tokenizer, teacher_source
 from distill.model.teacher import Teacher
 from distill.replacements import describe
+from distill.results.card import write_model_card
 from distill.results.record import write_result
 from distill.results.report import read_metrics, write_report
 from distill.train.context import METRICS_FILE, StudentContext
@@ -29,6 +32,10 @@ from distill.train.stages import hybrid_on
 from distill.train.timing import timed
 
 log = logging.getLogger(__name__)
+
+DECODE_CONTEXT = 8192
+"""Context at which the report compares decoding: long enough that a KV cache dominates."""
+DECODE_STEPS = 16
 
 
 def finish_run(ctx: StudentContext) -> None:
@@ -41,7 +48,7 @@ def finish_run(ctx: StudentContext) -> None:
         if e2e_finished(ctx):
             base, final = load_e2e_student(ctx)
         out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
-                             tokenizer=load_tokenizer(cfg))
+                             tokenizer=load_tokenizer(cfg), dtype=teacher.dtype)
         log.info("student exported to %s  (load it: from distill import load_student; "
                  "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
@@ -60,15 +67,37 @@ def finish_run(ctx: StudentContext) -> None:
                 summary["student_after_layer_stages"] = result.student
                 result = _rescored_after_e2e(ctx, result, base, final)
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
+    decode = None
+    if cfg.evaluate and metric_kind(teacher) == "lm":
+        with timed(ctx.timings, "decode_s"):
+            decode = decode_figures(teacher.model, load_student(out, device=str(teacher.device)))
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
-                          ctx.timings, hybrid=hybrid)
+                          ctx.timings, decode, hybrid=hybrid)
     write_result(ctx.out_dir, {
-        "summary": summary, "eval": result.to_dict() if result else None,
+        "summary": summary, "eval": result.to_dict() if result else None, "decode": decode,
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
         "final_val": _final_val(metrics), **({"hybrid": hybrid} if hybrid is not None else {})})
+    write_model_card(out, {
+        "teacher": summary["teacher"], "causal": teacher.causal and metric_kind(teacher) == "lm",
+        "layers": cfgs, "num_layers": teacher.num_layers, "describe": rows,
+        "data": OmegaConf.to_container(cfg.data, resolve=True), "train_tokens": summary["train_tokens"],
+        "eval": result.to_dict() if result else None, "decode": decode})
     log.info("report written to %s", report)
+
+
+def decode_figures(teacher_model, student_model, context: int = DECODE_CONTEXT) -> dict:
+    """Teacher and student decoding at ``context`` tokens (batch 1), side by side: ms/token and
+    cache bytes, with the ratios (teacher / student)."""
+    teacher_speed = measure_decode(teacher_model, context, batch=1, steps=DECODE_STEPS)
+    student_speed = measure_decode(student_model, context, batch=1, steps=DECODE_STEPS)
+    log.info("decoding at %d tokens: teacher %.2f ms/token (%d cache bytes), student %.2f ms/token (%d)",
+             context, teacher_speed.ms_per_token, teacher_speed.cache_bytes, student_speed.ms_per_token,
+             student_speed.cache_bytes)
+    return {"teacher": teacher_speed.to_dict(), "student": student_speed.to_dict(), "steps": DECODE_STEPS,
+            "speedup": teacher_speed.ms_per_token / student_speed.ms_per_token,
+            "cache_ratio": teacher_speed.cache_bytes / max(student_speed.cache_bytes, 1)}
 
 
 def _rescored_after_e2e(ctx: StudentContext, layer_stages: EvalResult, base: Teacher,

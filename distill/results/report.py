@@ -164,8 +164,12 @@ def write_report(
     config_summary: dict,
     timings: dict[str, float] | None = None,
     hybrid: dict | None = None,
+    decode: dict | None = None,
 ) -> str:
     """Write run_dir/report.md (and the losses.png it embeds); returns the report's path.
+
+    `decode` is `finish.decode_figures(...)` (teacher and student decoding at a long context),
+    shown next to the quality gap; None for encoders or unevaluated runs.
 
     `describe_rows[l]` is `distill.replacements.describe(replacement, teacher, seq_len)`;
     `eval_result` may also be `EvalResult.to_dict()` read back from JSON, or None / {}
@@ -179,7 +183,7 @@ def write_report(
     sections = [
         "# Distillation report",
         _config_section(config_summary),
-        _overall_section(eval_result),
+        _overall_section(eval_result, decode),
         _layer_section(metrics, eval_result, describe_rows,
                        eval_result.per_layer_layer_stages if eval_result is not None else None),
     ]
@@ -214,26 +218,40 @@ def _config_section(config_summary: dict) -> str:
     return "\n".join(["## Configuration", "", "| key | value |", "| --- | --- |", *rows])
 
 
-def _overall_section(result: EvalResult | None) -> str:
-    """Teacher vs student on held-out data, with the relative gap."""
+def _overall_section(result: EvalResult | None, decode: dict | None = None) -> str:
+    """Teacher vs student on held-out data, with the relative gap, and (decoders) what each
+    costs at decoding with a long context: where the student wins."""
     if result is None:
         return "## Teacher vs student\n\nNot evaluated (`evaluate=false` or no held-out data)."
     metric = _METRIC_NAMES.get(result.kind, result.kind)
-    return "\n".join(
-        [
-            "## Teacher vs student",
-            "",
-            f"Held-out {metric} over {result.num_tokens:,} tokens.",
-            "",
-            "| model | metric |",
-            "| --- | --- |",
-            f"| teacher | {_fmt(result.teacher)} |",
+    identity = ([f"| replaced layers skipped (identity baseline) | {_fmt(result.identity)} |"]
+                if result.identity is not None else [])
+    if not decode:
+        return "\n".join([
+            "## Teacher vs student", "", f"Held-out {metric} over {result.num_tokens:,} tokens.", "",
+            "| model | metric |", "| --- | --- |", f"| teacher | {_fmt(result.teacher)} |",
             f"| student (all replacements) | {_fmt(result.student)} |",
-            f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |",
-            *([f"| replaced layers skipped (identity baseline) | {_fmt(result.identity)} |"]
-              if result.identity is not None else []),
-        ]
-    )
+            f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |", *identity])
+    teacher, student = decode["teacher"], decode["student"]
+    context = f"{teacher['context']:,}"
+    return "\n".join([
+        "## Teacher vs student", "",
+        f"Held-out {metric} over {result.num_tokens:,} tokens; greedy decoding with the cache at {context} "
+        f"tokens of context, batch {teacher['batch']}, median of {decode.get('steps', '?')} steps (the exported student "
+        "loaded back from its directory).", "",
+        f"| model | {metric} | decode ms/token @ {context} | cache / state MiB @ {context} |",
+        "| --- | --- | --- | --- |",
+        f"| teacher | {_fmt(result.teacher)} | {teacher['ms_per_token']:.2f} | {_mib(teacher['cache_bytes'])} |",
+        f"| student (all replacements) | {_fmt(result.student)} | {student['ms_per_token']:.2f} | "
+        f"{_mib(student['cache_bytes'])} |",
+        f"| student / teacher | {result.relative_gap + 1:.3f}x ({result.relative_gap:+.2%}) | "
+        f"{1 / decode['speedup']:.3f}x ({decode['speedup']:.2f}x faster) | "
+        f"{1 / decode['cache_ratio']:.4f}x ({decode['cache_ratio']:.0f}x smaller) |",
+        *(f"{row} {_MISSING} | {_MISSING} |" for row in identity)])
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f}"
 
 
 def _layer_section(

@@ -52,8 +52,9 @@ class TeacherTargets:
         self.train_NT = train_NT
         self.seed = seed
         self.samples = 0
-        self.to_slots = DeviceToSlots(teacher.device)
-        """On CUDA: pinned, side-stream copies that the worker finishes after the next forward."""
+        self.to_slots = DeviceToSlots(teacher.devices)
+        """On CUDA: pinned, side-stream copies that the worker finishes after the next forward
+        (one side stream per GPU of a teacher spread over several)."""
 
     def __call__(self, model_id: str, model_cfg: dict | None,
                  targets: list[SlotTarget]) -> Callable[[], None] | None:

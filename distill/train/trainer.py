@@ -12,7 +12,6 @@ Shape legend: B batch, P boundary positions of a stage, T tokens, D hidden size.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -20,13 +19,19 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from distill.train import checkpoint as ckpt
 from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
-from distill.train.context import StudentContext, barrier, broadcast_int, wrap_for_training
+from distill.train.context import (
+    StudentContext,
+    barrier,
+    broadcast_int,
+    gradient_sync,
+    is_sharded,
+    wrap_for_training,
+)
 from distill.train.losses import layer_loss
 from distill.train.modules import build_stage_module, load_stage_replacements
 from distill.train.stages import Stage
@@ -190,8 +195,7 @@ class StageTrainer:
                     step_started = time.monotonic()
                 else:
                     wait_s += time.monotonic() - t0
-                sync = micro == accum - 1 or not isinstance(self.model, DDP)
-                with contextlib.nullcontext() if sync else self.model.no_sync():
+                with gradient_sync(self.model, sync=micro == accum - 1):
                     loss, losses = self._loss(batch)
                     (loss / accum).backward()
                 samples += batch["input_ids"].shape[0]
@@ -231,17 +235,20 @@ class StageTrainer:
         return val
 
     def _timed_validate(self, step: int) -> Validation:
-        """Validate (leader), and keep the weights if they are the best so far."""
+        """Validate, and keep the weights if they are the best so far (the leader decides,
+        every rank keeps its own copy)."""
         with timed(self.ctx.timings, "validation_s"):
             val = self.validate(step)
-        self.best.update(self.module, val, step)
+        if broadcast_int(int(self.best.improves(val)), self.ctx):
+            self.best.keep(self.module, val, step)
         return val
 
     def _keep_best(self, last: Validation, step: int) -> tuple[Validation, int]:
-        """The stage's final weights are its best validated ones: restore them (leader, the rank
-        that saves them) when the last validation is worse than an earlier one."""
+        """The stage's final weights are its best validated ones: restore them (every rank, as
+        the leader decides) when the last validation is worse than an earlier one."""
         worse = last.score is not None and (math.isnan(last.score) or self.best.score < last.score)
-        if self.best.step is None or self.best.step == step or not worse:
+        restore = self.best.step is not None and self.best.step != step and worse
+        if not broadcast_int(int(restore), self.ctx):
             return last, step
         self.best.restore(self.module)
         log.info("stage %d: restored the weights of step %d (validation %.5g; step %d: %.5g)",
@@ -319,19 +326,21 @@ class StageTrainer:
 
     # -- checkpoint
     def save_checkpoint(self, step: int) -> None:
-        if self.ctx.leader:
-            ckpt.save_training_state(self.ctx.checkpoint_dir, stage=self.stage.index, step=step,
-                                     module=self.module, optimizer=self.optimizer,
-                                     scheduler=self.scheduler, best=self.best.tensors,
-                                     extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True),
-                                            "best": _json_record(self.best.meta())})
+        """The leader writes; every rank takes part (a sharded module's state is gathered)."""
+        ckpt.save_training_state(self.ctx.checkpoint_dir, stage=self.stage.index, step=step,
+                                 module=self.module, optimizer=self.optimizer,
+                                 scheduler=self.scheduler,
+                                 best=None if is_sharded(self.module) else self.best.tensors,
+                                 extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True),
+                                        "best": _json_record(self.best.meta())},
+                                 write=self.ctx.leader)
         barrier(self.ctx)
 
     def finish(self) -> None:
         """Record the stage as done: its weights, and progress (never retrained)."""
+        directory = self.ctx.checkpoint_dir
+        ckpt.save_stage_weights(directory, self.stage.index, self.module, write=self.ctx.leader)
         if self.ctx.leader:
-            directory = self.ctx.checkpoint_dir
-            ckpt.save_stage_weights(directory, self.stage.index, self.module)
             progress = ckpt.read_progress(directory)
             progress["finished"] = sorted(set(progress["finished"]) | {self.stage.index})
             progress["layers"] = {str(s.index): list(s.layers) for s in self.ctx.stages}

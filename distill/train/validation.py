@@ -18,7 +18,8 @@ the stage's own layers (and teacher layers between them).
 
 :class:`BestWeights` keeps a copy of the trainable weights at the best validation so
 far, so that a stage that stops early, or whose last validation is worse than an
-earlier one, ends with its best weights rather than its last.
+earlier one, ends with its best weights rather than its last. The leader validates and
+decides; every rank keeps and restores its own copy (a sharded, FSDP2, student: its shard).
 
 Shape legend: B batch, T tokens, D hidden size.
 """
@@ -115,12 +116,20 @@ class BestWeights:
         self.record: dict[str, Any] = {}
         self.tensors: dict[str, torch.Tensor] = {}
 
+    def improves(self, validation: Validation) -> bool:
+        """Whether ``validation`` is the best yet (only the leader's has a score)."""
+        return validation.score is not None and validation.score < self.score
+
+    def keep(self, module: nn.Module, validation: Validation, step: int) -> None:
+        """Copy ``module``'s trainable weights as the best, at ``step`` (on every rank)."""
+        self.score = validation.score if validation.score is not None else self.score
+        self.step, self.record = step, validation.record
+        self.tensors = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+
     def update(self, module: nn.Module, validation: Validation, step: int) -> None:
         """Keep a copy of ``module``'s trainable weights if ``validation`` is the best yet."""
-        if validation.score is None or not validation.score < self.score:
-            return
-        self.score, self.step, self.record = validation.score, step, validation.record
-        self.tensors = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+        if self.improves(validation):
+            self.keep(module, validation, step)
 
     def restore(self, module: nn.Module) -> None:
         """Put the kept weights back into ``module``."""
@@ -134,8 +143,9 @@ class BestWeights:
         return {"score": self.score, "step": self.step, "record": self.record}
 
     def load(self, meta: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore what :meth:`meta` and the tensors recorded (after a resume)."""
-        if not meta or meta.get("step") is None:
+        """Restore what :meth:`meta` and the tensors recorded (after a resume); nothing when no
+        tensors were saved (a sharded student's best weights are not checkpointed)."""
+        if not meta or meta.get("step") is None or not tensors:
             return
         self.score, self.step, self.record = float(meta["score"]), int(meta["step"]), dict(meta["record"])
         self.tensors = tensors

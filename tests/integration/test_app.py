@@ -112,6 +112,12 @@ def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: P
     assert (run2 / "report.md").exists() and (run2 / "losses.png").exists()
     result = json.loads((run2 / "result.json").read_text())
     assert result["eval"]["kind"] == "lm" and result["eval"]["student"] > 0
+    decode = result["decode"]  # teacher vs the exported student at a long context
+    assert decode["teacher"]["context"] == decode["student"]["context"] == 8192
+    assert decode["student"]["cache_bytes"] < decode["teacher"]["cache_bytes"]
+    assert "decode ms/token @ 8,192" in (run2 / "report.md").read_text()
+    card = (run2 / "student" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers") and "## Speed" in card and "## Quality" in card
 
     from distill import load_student
 

@@ -24,6 +24,7 @@ LAZY_IMPORTS = {
     ("distill.model.location", "transformers"): "only a hub name needs it; the start-up checks run in "
                                                 "every mode, the broker included",
     ("distill.model.data", "datasets"): "~1 s to import, only data.source=hf_dataset needs it",
+    ("distill.model.harness", "lm_eval"): "an optional extra (.[eval]) that only mode=eval needs",
 }
 """(module, imported module) -> why it is imported inside a function."""
 

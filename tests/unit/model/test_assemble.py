@@ -2,7 +2,9 @@
 
 Tiny models are built from configs with a fixed seed (no hub). A student made of
 TeacherCopy replacements must be the teacher, bit for bit; a ResidualMLP student must
-run the model's own forward and generate; a loaded student must equal the exported one.
+run the model's own forward and generate; a loaded (HF-native) student must equal the
+spliced one it was exported from; a format-1 directory (the layout before the native
+export) still loads, as the same native model.
 
 Shape legend: B batch, T tokens, D hidden, V vocabulary.
 """
@@ -14,13 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from transformers import BertModel
 
 import distill
 from distill.model.assemble import SplicedLayer, export_student, load_student, splice
+from distill.model.modeling.modeling_distill_bert import DistillBertModel
+from distill.model.modeling.modeling_distill_llama import DistillLlamaForCausalLM
 from distill.model.teacher import Teacher
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.teacher_copy import TeacherCopy
@@ -184,13 +188,19 @@ def test_manifest_and_files(llama: Teacher, tmp_path: Path) -> None:
     export_student(llama, "tiny-llama", {1: _trained_mlp(llama, 1)}, {1: MLP_CFG}, str(out_dir))
     manifest = json.loads((out_dir / "distill_student.json").read_text())
     assert manifest == {
-        "format": 1,
+        "format": 2,
         "family": "llama",
         "teacher_source": "tiny-llama",
         "layers": {"1": MLP_CFG},
     }
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
+    for name in ("config.json", "generation_config.json", "model.safetensors",
+                 "configuration_distill_llama.py", "modeling_distill_llama.py"):
         assert (out_dir / name).is_file()
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["model_type"] == "distill_llama" and config["architectures"] == ["DistillLlamaForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_distill_llama.DistillLlamaForCausalLM"
+    assert config["distill_layers"] == {"1": _trained_mlp(llama, 1).layer_spec()}
+    assert json.loads((out_dir / "generation_config.json").read_text())["use_cache"] is True
 
 
 def test_round_trip_with_tokenizer(llama: Teacher, tmp_path: Path) -> None:
@@ -215,7 +225,7 @@ def test_bert_round_trip(bert: Teacher, tmp_path: Path) -> None:
     replacements = {1: _trained_mlp(bert, 1)}
     out_dir = export_student(bert, "tiny-bert", replacements, {1: MLP_CFG}, str(tmp_path / "s"))
     student = load_student(out_dir)
-    assert type(student) is BertModel
+    assert type(student) is DistillBertModel
     ids = _ids()
     with torch.no_grad():
         expected = splice(bert, replacements)(ids).last_hidden_state
@@ -234,6 +244,25 @@ def test_load_student_in_another_dtype(llama: Teacher, tmp_path: Path) -> None:
         load_student(out_dir, dtype="float8")
 
 
+def test_bf16_teacher_exports_a_bf16_student(tmp_path: Path) -> None:
+    """Float32-trained replacements of a bfloat16 teacher ship in bfloat16, as config.json says,
+    and the loaded student computes what the spliced one did (up to bfloat16 rounding)."""
+    from safetensors import safe_open
+
+    teacher = Teacher(_llama().model.to(torch.bfloat16))
+    replacements = {1: _trained_mlp(teacher, 1).float()}
+    out_dir = export_student(teacher, "tiny-llama", replacements, {1: MLP_CFG}, str(tmp_path / "s"))
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "s" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118 - safe_open is no dict == {torch.bfloat16}
+    student = load_student(out_dir)
+    assert {p.dtype for p in student.parameters()} == {torch.bfloat16}
+    ids = _ids()
+    with torch.no_grad():
+        spliced = splice(teacher, replacements)(ids).logits.float()
+        torch.testing.assert_close(student(ids).logits.float(), spliced, rtol=0.05, atol=0.05)
+
+
 def test_export_needs_one_cfg_per_replacement(llama: Teacher, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="replacement_cfgs"):
         export_student(llama, "x", {0: TeacherCopy(llama, 0)}, {}, str(tmp_path))
@@ -247,13 +276,41 @@ def test_load_student_rejects_other_directories(tmp_path: Path) -> None:
 
 
 def test_load_student_rejects_mismatched_weights(llama: Teacher, tmp_path: Path) -> None:
-    """Changed replacement options no longer fit the saved weights: a clear error."""
+    """A config.json whose layers no longer fit the saved weights: a clear error, never a
+    model with freshly initialised weights."""
     out_dir = tmp_path / "s"
     export_student(llama, "x", {1: _trained_mlp(llama, 1)}, {1: MLP_CFG}, str(out_dir))
-    manifest_path = out_dir / "distill_student.json"
-    manifest = json.loads(manifest_path.read_text())
-    for other_cfg in (COPY_CFG, {**MLP_CFG, "hidden_mult": 2.0}):  # other keys, other shapes
-        manifest["layers"]["1"] = other_cfg
-        manifest_path.write_text(json.dumps(manifest))
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    spec = config["distill_layers"]["1"]
+    for other in ({"kind": "copy"}, {**spec, "hidden_units": 2 * spec["hidden_units"]}):  # keys, shapes
+        config["distill_layers"]["1"] = other
+        config_path.write_text(json.dumps(config))
         with pytest.raises(ValueError, match="does not match"):
             load_student(str(out_dir))
+
+
+def _write_format_1(teacher: Teacher, replacements: dict, cfgs: dict, out_dir: Path) -> None:
+    """The layout export_student wrote before the native export (distill_student.json format 1)."""
+    model = splice(teacher, replacements)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out_dir)
+    safetensors.torch.save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    manifest = {"format": 1, "family": teacher.family, "teacher_source": "x",
+                "layers": {str(k): v for k, v in cfgs.items()}}
+    (out_dir / "distill_student.json").write_text(json.dumps(manifest))
+
+
+def test_format_1_student_loads_as_the_native_model(tmp_path: Path) -> None:
+    """Students exported by earlier versions keep loading, with the same logits, and gain the cache."""
+    teacher = _llama()
+    replacements = {0: TeacherCopy(teacher, 0), 1: _trained_mlp(teacher, 1)}
+    _write_format_1(teacher, replacements, {0: COPY_CFG, 1: MLP_CFG}, tmp_path)
+    student = load_student(str(tmp_path))
+    assert type(student) is DistillLlamaForCausalLM
+    ids = _ids()
+    with torch.no_grad():
+        expected = splice(teacher, replacements)(ids).logits
+        torch.testing.assert_close(student(ids).logits, expected, rtol=0, atol=0)
+    with_cache = student.generate(ids[:1], max_new_tokens=3, do_sample=False, use_cache=True)
+    assert torch.equal(with_cache, student.generate(ids[:1], max_new_tokens=3, do_sample=False, use_cache=False))

@@ -147,3 +147,17 @@ def test_spliced_alone_kl_is_the_kl_of_the_spliced_models_output(llama: Teacher,
             want = float((logp_NTV.exp() * (logp_NTV - logq_NTV)).sum(-1).mean())
             assert got[idx] == pytest.approx(want, rel=1e-4)
     assert got[0] > 1e-4 and abs(got[1]) < 1e-6  # a copy of the layer moves nothing
+@pytest.mark.parametrize("kind", ["copy", "linear_attention"])
+def test_bf16_teacher_scores_float32_replacements(kind: str, sampled_NT: torch.Tensor) -> None:
+    """A bfloat16 teacher with float32 replacements (how every real run trains): the stream
+    stays bfloat16, each replacement computes in float32 (rotary and mask from the teacher's
+    run_layer for copies); a copy of each layer scores as the teacher up to bfloat16 rounding."""
+    from distill.replacements.linear_attention import LinearAttentionLayer
+
+    teacher = Teacher(tiny_llama(VOCAB, NUM_LAYERS).model.to(torch.bfloat16))
+    build = TeacherCopy if kind == "copy" else LinearAttentionLayer
+    replacements = {idx: build(teacher, idx).float() for idx in (0, 2)}
+    result = evaluate(teacher, replacements, sampled_NT, batch_size=4)
+    assert math.isfinite(result.student) and set(result.per_layer) == {0, 2}
+    if kind == "copy":
+        assert result.student == pytest.approx(result.teacher, rel=0.02)

@@ -1,7 +1,9 @@
 """Replacement building blocks against plain references on random tensors.
 
 The chunked causal kernel and the bidirectional kernel are checked against the naive
-O(T^2) masked form (values and gradients); the SVD factorisation against Eckart-Young.
+O(T^2) masked form (values and gradients), the chunked form against the recurrent (decoding)
+form, and the SVD factorisation against Eckart-Young. The kernels are the exported
+student's (distill.model.modeling), which the replacements train with.
 
 Shape legend: B batch, H heads, T sequence length, F features, E head size,
 I input features, O output features.
@@ -13,11 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from distill.replacements.linear_attention import (
+from distill.model.modeling import modeling_distill_bert
+from distill.model.modeling.modeling_distill_llama import (
     DENOMINATOR_EPS,
     FeatureMap,
     bidirectional_linear_attention,
     causal_linear_attention,
+    recurrent_linear_attention,
 )
 from distill.replacements.lowrank import LowRankLinear
 
@@ -45,7 +49,7 @@ def _random_inputs(seq_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize(("seq_len", "chunk_size"), [(1, 4), (5, 4), (8, 4), (13, 64), (33, 8)])
 def test_causal_kernel_matches_naive_masked_attention(seq_len: int, chunk_size: int) -> None:
     inputs = [x.requires_grad_(True) for x in _random_inputs(seq_len)]
-    out_BHTE = causal_linear_attention(*inputs, chunk_size=chunk_size)
+    out_BHTE, _ = causal_linear_attention(*inputs, chunk_size=chunk_size)
     ref_BHTE = _naive_linear_attention(*inputs, causal=True)
     torch.testing.assert_close(out_BHTE, ref_BHTE, atol=1e-5, rtol=1e-5)
     grads = torch.autograd.grad(out_BHTE.square().sum(), inputs)
@@ -56,23 +60,43 @@ def test_causal_kernel_matches_naive_masked_attention(seq_len: int, chunk_size: 
 
 def test_causal_kernel_ignores_future_positions() -> None:
     phi_q_BHTF, phi_k_BHTF, v_BHTE = _random_inputs(12)
-    out_BHTE = causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, chunk_size=4)
+    out_BHTE, _ = causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, chunk_size=4)
     phi_k_BHTF[:, :, 7:] *= 5.0
     v_BHTE[:, :, 7:] = -v_BHTE[:, :, 7:]
-    changed_BHTE = causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, chunk_size=4)
+    changed_BHTE, _ = causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, chunk_size=4)
     torch.testing.assert_close(out_BHTE[:, :, :7], changed_BHTE[:, :, :7], atol=0, rtol=0)
     assert not torch.allclose(out_BHTE[:, :, 7:], changed_BHTE[:, :, 7:])
+
+
+@pytest.mark.parametrize(("seq_len", "chunk_size", "split"), [(1, 4, 0), (9, 4, 0), (13, 4, 6), (20, 64, 11)])
+def test_chunked_form_equals_recurrent_form(seq_len: int, chunk_size: int, split: int) -> None:
+    """Training's chunked kernel and decoding's one-step recurrence agree to 1e-5, including
+    a prefill of ``split`` positions continued token by token from the state it leaves."""
+    phi_q_BHTF, phi_k_BHTF, v_BHTE = _random_inputs(seq_len, seed=3)
+    chunked_BHTE, chunked_state_BHFX = causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, chunk_size)
+    recurrent_BHTE, recurrent_state_BHFX = recurrent_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE)
+    torch.testing.assert_close(chunked_BHTE, recurrent_BHTE, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_state_BHFX, recurrent_state_BHFX, atol=1e-5, rtol=1e-5)
+    if split:
+        head = [x[:, :, :split] for x in (phi_q_BHTF, phi_k_BHTF, v_BHTE)]
+        tail = [x[:, :, split:] for x in (phi_q_BHTF, phi_k_BHTF, v_BHTE)]
+        head_BHTE, state_BHFX = causal_linear_attention(*head, chunk_size)
+        tail_BHTE, _ = recurrent_linear_attention(*tail, state_BHFX)
+        torch.testing.assert_close(torch.cat([head_BHTE, tail_BHTE], 2), recurrent_BHTE, atol=1e-5, rtol=1e-5)
+        resumed_BHTE, _ = causal_linear_attention(*tail, chunk_size, state_BHFX)
+        torch.testing.assert_close(resumed_BHTE, tail_BHTE, atol=1e-5, rtol=1e-5)
 
 
 def test_bidirectional_kernel_matches_naive_attention() -> None:
     inputs = _random_inputs(11)
     out_BHTE = bidirectional_linear_attention(*inputs)
     torch.testing.assert_close(out_BHTE, _naive_linear_attention(*inputs, causal=False))
+    torch.testing.assert_close(modeling_distill_bert.bidirectional_linear_attention(*inputs), out_BHTE)
 
 
 def test_causal_kernel_is_float32_and_finite_for_bfloat16_inputs() -> None:
     inputs = [x.to(torch.bfloat16) for x in _random_inputs(40)]
-    out_BHTE = causal_linear_attention(*inputs, chunk_size=16)
+    out_BHTE, _ = causal_linear_attention(*inputs, chunk_size=16)
     assert out_BHTE.dtype == torch.float32
     assert torch.isfinite(out_BHTE).all()
 

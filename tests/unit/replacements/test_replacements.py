@@ -22,6 +22,7 @@ from torch import nn
 from transformers import (
     BertConfig,
     BertModel,
+    DynamicCache,
     LlamaConfig,
     LlamaModel,
     Qwen2Config,
@@ -31,6 +32,7 @@ from transformers import (
 )
 
 import distill
+from distill.model.native import student_config
 from distill.model.teacher import Teacher
 from distill.replacements import Replacement, count_params, describe
 from distill.replacements.linear_attention import LinearAttentionLayer
@@ -406,18 +408,21 @@ def test_pruned_refuses_a_layer_without_the_expected_mlp() -> None:
 
 
 class _SoftmaxAttention(nn.Module):
-    """Plain softmax attention with the LinearAttention call signature."""
+    """Plain softmax attention with the LinearAttention call signature (decoders also return
+    a state, None here: it is only called without a cache)."""
 
-    def __init__(self, causal: bool) -> None:
+    def __init__(self, causal: bool, decoder: bool) -> None:
         super().__init__()
         self.causal = causal
+        self.decoder = decoder
 
     def forward(
-        self, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor
-    ) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
+        self, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, mask_BT=None, state=None
+    ) -> torch.Tensor | tuple[torch.Tensor, None]:
+        out_BHTE = F.scaled_dot_product_attention(
             q_BHTE.float(), k_BHTE.float(), v_BHTE.float(), is_causal=self.causal
         )
+        return (out_BHTE, None) if self.decoder else out_BHTE
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])
@@ -425,7 +430,7 @@ def test_linear_attention_wiring_matches_teacher_with_softmax_kernel(family: str
     """Projections, rotary, GQA, q/k norms, norms and MLP are right: only the kernel differs."""
     teacher = _tiny_teacher(family)
     replacement = _build("linear_attention", teacher)
-    replacement.block.attention = _SoftmaxAttention(teacher.causal)
+    replacement.block.attention = _SoftmaxAttention(teacher.causal, teacher.family != "bert")
     hidden_BTD = _hidden(teacher)
     expected_BTD = _teacher_output(teacher, hidden_BTD)
     torch.testing.assert_close(replacement(hidden_BTD), expected_BTD, atol=1e-5, rtol=1e-5)
@@ -457,3 +462,64 @@ def test_linear_attention_rejects_bad_options(
 ) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _build("linear_attention", llama_teacher, **options)
+
+
+# ---------------------------------------------------------------- padding, positions, cache
+
+
+def _padded(teacher: Teacher, padding: str, length: int = 6) -> tuple[torch.Tensor, ...]:
+    """A batch whose second row is ``length`` real positions padded with noise, its 2D mask,
+    the positions a model gives it (from the mask, as ``generate`` does) and the row alone."""
+    hidden_BTD = _hidden(teacher)
+    alone_1LD = _hidden(teacher, seed=2)[1:, :length]
+    noise_1PD = 10 * torch.randn(1, SEQ_LEN - length, HIDDEN).to(teacher.dtype)
+    row = [alone_1LD, noise_1PD] if padding == "right" else [noise_1PD, alone_1LD]
+    hidden_BTD = torch.cat([hidden_BTD[:1], torch.cat(row, dim=1)])
+    real_T = torch.arange(SEQ_LEN) < length if padding == "right" else torch.arange(SEQ_LEN) >= SEQ_LEN - length
+    mask_BT = torch.stack([torch.ones(SEQ_LEN, dtype=torch.bool), real_T]).long()
+    positions_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
+    return hidden_BTD, mask_BT, positions_BT, alone_1LD, real_T
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("name", REPLACEMENTS)
+def test_padded_batch_equals_one_by_one(name: str, padding: str, teacher: Teacher) -> None:
+    """Padded positions contribute nothing: the padded row's real positions equal the row run alone."""
+    replacement = _build(name, teacher)
+    hidden_BTD, mask_BT, positions_BT, alone_1LD, real_T = _padded(teacher, padding)
+    with torch.no_grad():
+        batch_BTD = replacement(hidden_BTD, attention_mask=mask_BT, position_ids=positions_BT)
+        expected_1LD = replacement(alone_1LD)
+    torch.testing.assert_close(batch_BTD[1:, real_T], expected_1LD, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", REPLACEMENTS)
+def test_left_padded_decoding_with_cache_equals_one_by_one(name: str, teacher: Teacher) -> None:
+    """Prefill a left-padded prompt into the cache, then decode position by position: the same
+    outputs as the unpadded row decoded alone, and as the whole row without a cache."""
+    if not teacher.causal:
+        pytest.skip("encoders keep no cache")
+    replacement = _build(name, teacher)
+    hidden_BTD, mask_BT, positions_BT, alone_1LD, real_T = _padded(teacher, "left")
+    config = student_config(teacher, {LAYER_IDX: replacement.layer_spec()})
+    with torch.no_grad():
+        batch_BTD = _decode_with_cache(replacement, config, hidden_BTD, mask_BT, positions_BT, num_steps=3)
+        alone_1LD = _decode_with_cache(replacement, config, alone_1LD, None, None, num_steps=3)
+        full_1LD = replacement(_padded(teacher, "left")[3])
+    torch.testing.assert_close(batch_BTD[1:, real_T], alone_1LD, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone_1LD, full_1LD, atol=1e-5, rtol=1e-5)
+
+
+def _decode_with_cache(replacement: nn.Module, config: Any, hidden_BTD: torch.Tensor, mask_BT: torch.Tensor | None,
+                       positions_BT: torch.Tensor | None, num_steps: int) -> torch.Tensor:
+    """Outputs of a prefill of all but ``num_steps`` positions, then one call per position, all
+    through one cache (masks over past + new positions, positions of the new ones, as a model passes)."""
+    cache = DynamicCache(config=config)
+    ends = [hidden_BTD.shape[1] - num_steps, *range(hidden_BTD.shape[1] - num_steps + 1, hidden_BTD.shape[1] + 1)]
+    outs, start = [], 0
+    for end in ends:
+        mask = None if mask_BT is None else mask_BT[:, :end]
+        positions = None if positions_BT is None else positions_BT[:, start:end]
+        outs.append(replacement(hidden_BTD[:, start:end], mask, positions, cache))
+        start = end
+    return torch.cat(outs, dim=1)

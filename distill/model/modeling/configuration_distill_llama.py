@@ -1,0 +1,110 @@
+"""DistillLlamaConfig: the configuration of a distilled decoder student (``model_type: distill_llama``).
+
+This file is copied verbatim into every exported decoder student, next to
+``modeling_distill_llama.py``, and named in ``config.json``'s ``auto_map``; it imports
+transformers only, so ``AutoConfig.from_pretrained(dir, trust_remote_code=True)`` reads a
+student without the tool that made it.
+
+A student's config is its teacher's config (a Llama, Qwen2, Mistral or Qwen3 decoder, every
+key at the top level as in the teacher's own ``config.json``) plus what makes it a student:
+
+    teacher_model_type   the teacher's ``model_type`` ("llama", "qwen2", ...)
+    teacher_classes      the teacher's classes, by dotted path inside ``transformers.models``:
+                         {"layer": decoder layer, "norm": RMSNorm, "rotary": rotary embedding}
+    teacher_layer_types  the teacher's attention type of each layer ("full_attention" or
+                         "sliding_attention"), which layers kept from it still use
+    distill_layers       {"<layer index>": {"kind": ..., <options>}} for every replaced layer;
+                         kinds and their options are listed in ``LAYER_KINDS``
+    layer_types          the cache layer each layer's decode state needs (see
+                         ``modeling_distill_llama``); derived from the two above when absent
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+LAYER_KINDS: dict[str, tuple[str, ...]] = {
+    "copy": (),
+    "pruned": ("config_overrides",),
+    "lowrank": ("ranks",),
+    "mlp": ("hidden_units", "activation", "norm", "norm_eps"),
+    "linear_attention": ("feature_map", "feature_dim", "chunk_size"),
+}
+"""Kind of a replaced layer -> the keys its entry in ``distill_layers`` must carry."""
+
+RECURRENT_LAYER_TYPE = "linear_attention"
+"""Cache layer type of replaced layers that keep no KV cache (a fixed-size state, or none):
+transformers' own ``LinearAttentionLayer``. A standard type, so that transformers' config
+checks (run by ``save_pretrained`` and by ``AutoTokenizer`` on any config) accept it."""
+
+KV_KINDS = ("copy", "pruned", "lowrank")
+"""Kinds that run the teacher's own attention and so keep a KV cache of the teacher's type."""
+
+
+class DistillLlamaConfig(PreTrainedConfig):
+    """The teacher decoder's config plus the replaced layers (see the module docstring)."""
+
+    model_type = "distill_llama"
+    keys_to_ignore_at_inference = ["cache"]
+
+    def __init__(
+        self,
+        teacher_model_type: str = "llama",
+        teacher_classes: dict[str, str] | None = None,
+        teacher_layer_types: list[str] | None = None,
+        distill_layers: dict[str, dict[str, Any]] | None = None,
+        layer_types: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.teacher_model_type = teacher_model_type
+        self.teacher_classes = dict(teacher_classes or {})
+        self.distill_layers = {str(idx): dict(spec) for idx, spec in (distill_layers or {}).items()}
+        super().__init__(**kwargs)
+        num_layers = getattr(self, "num_hidden_layers", 0)
+        self.teacher_layer_types = list(teacher_layer_types or ["full_attention"] * num_layers)
+        self.layer_types = list(layer_types or _cache_layer_types(self))
+        _check(self)
+
+
+def _cache_layer_types(config: DistillLlamaConfig) -> list[str]:
+    """Per layer: the teacher's type where the teacher's attention runs, else the recurrent type."""
+    types = []
+    for idx, teacher_type in enumerate(config.teacher_layer_types):
+        spec = config.distill_layers.get(str(idx))
+        types.append(teacher_type if spec is None or spec["kind"] in KV_KINDS else RECURRENT_LAYER_TYPE)
+    return types
+
+
+def _check(config: DistillLlamaConfig) -> None:
+    """Refuse a config whose replaced layers this modeling code cannot build, saying why."""
+    num_layers = getattr(config, "num_hidden_layers", 0)
+    if len(config.teacher_layer_types) != num_layers or len(config.layer_types) != num_layers:
+        raise ValueError(
+            f"distill_llama config: teacher_layer_types and layer_types need one entry per layer "
+            f"({num_layers}); re-export the student."
+        )
+    for idx, spec in config.distill_layers.items():
+        kind = spec.get("kind")
+        if kind not in LAYER_KINDS:
+            raise ValueError(
+                f"distill_llama config: layer {idx} has kind {kind!r}, which this modeling code does "
+                f"not know (it knows {sorted(LAYER_KINDS)}); load it with the modeling files it was "
+                "exported with."
+            )
+        missing = [key for key in LAYER_KINDS[kind] if key not in spec]
+        if missing or not 0 <= int(idx) < num_layers:
+            raise ValueError(
+                f"distill_llama config: layer {idx} ({kind}) is out of range or lacks {missing}; "
+                "re-export the student."
+            )
+    for role, path in config.teacher_classes.items():
+        if not str(path).startswith("transformers.models."):
+            raise ValueError(
+                f"distill_llama config: teacher_classes[{role!r}]={path!r} must name a class inside "
+                "transformers.models; this config was not written by distill."
+            )
+
+
+__all__ = ["DistillLlamaConfig"]

@@ -1,0 +1,733 @@
+"""modeling_distill_llama: a decoder student distilled from a Llama, Qwen2, Mistral or Qwen3 teacher.
+
+This file is copied verbatim into every exported decoder student and named in its
+``config.json``'s ``auto_map``: it imports torch and transformers only, so
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` runs the student
+without the tool that made it. The distillation tool trains its replacements with these
+same classes and kernels, so what was trained is what runs here.
+
+The model is the teacher's decoder (its embeddings, final norm, rotary embedding, LM head and
+the layers that were not replaced, each of the teacher's own transformers class) with some
+layers replaced, one class per kind of ``config.distill_layers[i]["kind"]``:
+
+    copy, pruned, lowrank   DistillLlamaTeacherLayer: the teacher's layer class, with a smaller
+                            config (pruned) or factorised linear maps (lowrank); KV cache
+    mlp                     DistillLlamaResidualMLP: ``x + W2 act(W1 norm(x))``, token-wise
+    linear_attention        DistillLlamaLinearAttentionLayer: the teacher layer with softmax
+                            attention swapped for linear attention ``phi(q) . S``
+
+Every replaced layer takes ``(hidden_states, attention_mask, position_ids, cache)``, where
+``attention_mask`` is the 2D padding mask over past + new positions (1 = token, 0 = padding),
+as the user gives it to the model; padded positions add nothing to any state or normaliser.
+
+Decode state lives in the model's ``Cache`` (transformers' ``DynamicCache(config=...)``, built
+from ``config.layer_types``), one cache layer per model layer: the teacher's ``DynamicLayer`` /
+``DynamicSlidingWindowLayer`` KV cache where the teacher's attention runs, and
+transformers' own ``LinearAttentionLayer`` (type ``linear_attention``) where it does not, with
+the count of positions it has absorbed (``SEEN_TOKENS``), which rotary positions need. Linear
+attention keeps ``S = sum_s phi(k_s) [v_s, 1]^T`` per head there (the last column is the
+normaliser); token-wise layers keep only the count.
+
+Linear attention has two forms on one set of weights: chunked (training and prefill: exact
+masked attention inside a chunk plus the running state of earlier chunks) and recurrent
+(decoding: one state update and one read-out per token); tests hold them equal.
+
+Shape legend: B batch, T new positions, S past + new positions, D hidden size, H attention
+heads, K KV heads, E head size, F features per head, X = E + 1 (values plus the normaliser
+column), N chunks, C chunk length, V vocabulary, I input features, O output features, R rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_distill_llama import RECURRENT_LAYER_TYPE, DistillLlamaConfig
+
+DENOMINATOR_EPS = 1e-6
+FEATURE_MAPS = ("hedgehog", "elu")
+SEEN_TOKENS = "seen_tokens"
+"""Attribute of a ``LinearAttentionLayer`` counting the positions it has absorbed: rotary positions
+and, for a student without KV layers, ``past_length`` come from it (transformers' layer has no
+sequence length; fla's ``FLACache`` keeps ``_seen_tokens`` for the same reason)."""
+
+
+# ---------------------------------------------------------------------- cache
+
+
+def past_length(cache: Cache | None, layer_idx: int) -> int:
+    """Positions layer ``layer_idx`` has already seen (0 without a cache)."""
+    if cache is None or layer_idx >= len(cache.layers):
+        return 0
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, CacheLayerMixin):
+        return int(layer.get_seq_length())
+    return getattr(layer, SEEN_TOKENS, 0)
+
+
+def recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
+    """The state layer ``layer_idx`` left in the cache, or None before its first call."""
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx]
+    if not getattr(layer, SEEN_TOKENS, 0) or not layer.is_recurrent_states_initialized[0]:
+        return None
+    return layer.recurrent_states[0]
+
+
+def store_state(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, num_new_tokens: int) -> None:
+    """Keep ``state`` (None: a token-wise layer, nothing to keep) after ``num_new_tokens`` more positions."""
+    if cache is None:
+        return
+    if state is not None:
+        cache.update_recurrent_state(state, layer_idx)
+    layer = cache.layers[layer_idx]
+    setattr(layer, SEEN_TOKENS, getattr(layer, SEEN_TOKENS, 0) + num_new_tokens)
+
+
+def default_positions(
+    position_ids: torch.Tensor | None, past: int, seq_len: int, device: torch.device
+) -> torch.Tensor:
+    """``position_ids`` as given, else ``past .. past + T - 1`` (an unpadded continuation)."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(past, past + seq_len, device=device).unsqueeze(0)
+
+
+def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+    """The padding mask of the T new positions as float ``mask_BT``, or None when nothing is padded.
+
+    ``attention_mask`` is the 2D mask over past + new positions (or over the new ones only).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim != 2:
+        raise ValueError(
+            "replaced layers need the 2D padding mask (batch, positions) that tokenizers return, "
+            f"not a {attention_mask.ndim}D mask; pass attention_mask=tokens.attention_mask."
+        )
+    mask_BT = attention_mask[:, -seq_len:]
+    return None if bool(mask_BT.all()) else mask_BT.float()
+
+
+# ---------------------------------------------------------------------- kernels
+
+
+def causal_linear_attention(
+    phi_q_BHTF: torch.Tensor,
+    phi_k_BHTF: torch.Tensor,
+    v_BHTE: torch.Tensor,
+    chunk_size: int,
+    state_BHFX: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form: ``out_t = sum_{s<=t} (phi_q_t . phi_k_s) v_s / sum_{s<=t} phi_q_t . phi_k_s``.
+
+    Masked quadratic attention inside each chunk of ``chunk_size`` positions, plus the state
+    of everything before the chunk: ``state_BHFX`` (the positions before this call, or none)
+    and the exclusive prefix sum of the earlier chunks. Values carry a column of ones, so the
+    normaliser travels in the same matmuls. Returns float32 ``out_BHTE`` and the state after
+    the last position. Padding positions must have zero ``phi_k``: they then add nothing.
+    """
+    seq_len = phi_q_BHTF.shape[2]
+    v1_BHTX = F.pad(v_BHTE.float(), (0, 1), value=1.0)
+    chunk = min(chunk_size, seq_len)
+    pad = -seq_len % chunk
+    q_BHNCF, k_BHNCF, v1_BHNCX = (
+        F.pad(x.float(), (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (phi_q_BHTF, phi_k_BHTF, v1_BHTX)
+    )
+    mask_CC = torch.ones(chunk, chunk, dtype=torch.bool, device=q_BHNCF.device).tril()
+    scores_BHNCC = (q_BHNCF @ k_BHNCF.transpose(-1, -2)).masked_fill(~mask_CC, 0.0)
+    kv_BHNFX = k_BHNCF.transpose(-1, -2) @ v1_BHNCX
+    total_BHNFX = kv_BHNFX.cumsum(dim=2)  # shifted, not subtracted: no rounding leak from the future
+    prefix_BHNFX = torch.cat([torch.zeros_like(total_BHNFX[:, :, :1]), total_BHNFX[:, :, :-1]], dim=2)
+    if state_BHFX is not None:
+        prefix_BHNFX = prefix_BHNFX + state_BHFX.float().unsqueeze(2)
+    numden_BHNCX = scores_BHNCC @ v1_BHNCX + q_BHNCF @ prefix_BHNFX
+    out_BHNCE = numden_BHNCX[..., :-1] / (numden_BHNCX[..., -1:] + DENOMINATOR_EPS)
+    final_BHFX = total_BHNFX[:, :, -1] if state_BHFX is None else total_BHNFX[:, :, -1] + state_BHFX.float()
+    return out_BHNCE.flatten(2, 3)[:, :, :seq_len], final_BHFX
+
+
+def linear_attention_step(
+    phi_q_BH1F: torch.Tensor, phi_k_BH1F: torch.Tensor, v_BH1E: torch.Tensor, state_BHFX: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrent form for one position: ``S += phi(k) [v, 1]^T``, then ``out = phi(q) S``."""
+    v1_BH1X = F.pad(v_BH1E.float(), (0, 1), value=1.0)
+    update_BHFX = phi_k_BH1F.float().transpose(-1, -2) @ v1_BH1X
+    state_BHFX = update_BHFX if state_BHFX is None else state_BHFX.float() + update_BHFX
+    numden_BH1X = phi_q_BH1F.float() @ state_BHFX
+    return numden_BH1X[..., :-1] / (numden_BH1X[..., -1:] + DENOMINATOR_EPS), state_BHFX
+
+
+def recurrent_linear_attention(
+    phi_q_BHTF: torch.Tensor, phi_k_BHTF: torch.Tensor, v_BHTE: torch.Tensor, state_BHFX: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form over T positions, one step at a time (the reference for the chunked form)."""
+    outs = []
+    for t in range(phi_q_BHTF.shape[2]):
+        out_BH1E, state_BHFX = linear_attention_step(
+            phi_q_BHTF[:, :, t : t + 1], phi_k_BHTF[:, :, t : t + 1], v_BHTE[:, :, t : t + 1], state_BHFX
+        )
+        outs.append(out_BH1E)
+    return torch.cat(outs, dim=2), state_BHFX
+
+
+def bidirectional_linear_attention(
+    phi_q_BHTF: torch.Tensor, phi_k_BHTF: torch.Tensor, v_BHTE: torch.Tensor
+) -> torch.Tensor:
+    """``out_t = sum_s (phi_q_t . phi_k_s) v_s / sum_s phi_q_t . phi_k_s`` over all s (no state kept)."""
+    q_BHTF, k_BHTF = phi_q_BHTF.float(), phi_k_BHTF.float()
+    state_BHFX = k_BHTF.transpose(-1, -2) @ F.pad(v_BHTE.float(), (0, 1), value=1.0)
+    numden_BHTX = q_BHTF @ state_BHFX
+    return numden_BHTX[..., :-1] / (numden_BHTX[..., -1:] + DENOMINATOR_EPS)
+
+
+# ---------------------------------------------------------------------- linear attention
+
+
+class FeatureMap(nn.Module):
+    """Per-head learnable map from a head vector to positive features.
+
+    ``hedgehog``: ``[softmax(xW + b), softmax(-(xW + b))]`` (2 * feature_dim features).
+    ``elu``: ``elu(xW + b) + 1`` (feature_dim features). ``W`` starts as the identity (padded
+    or cut when feature_dim != head size), so the first features follow the raw q/k.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int, kind: str, **factory: Any) -> None:
+        super().__init__()
+        eye_EF = torch.eye(head_dim, feature_dim, **factory)
+        self.weight_HEF = nn.Parameter(eye_EF.expand(num_heads, -1, -1).clone())
+        self.bias_HF = nn.Parameter(torch.zeros(num_heads, feature_dim, **factory))
+        self.kind = kind
+
+    @property
+    def num_features(self) -> int:
+        """Features per head this map produces."""
+        width = self.weight_HEF.shape[-1]
+        return 2 * width if self.kind == "hedgehog" else width
+
+    def forward(self, x_BHTE: torch.Tensor) -> torch.Tensor:
+        """Map head vectors to float32 positive features."""
+        proj_BHTF = torch.einsum("bhte,hef->bhtf", x_BHTE.float(), self.weight_HEF.float())
+        proj_BHTF = proj_BHTF + self.bias_HF.float()[:, None, :]
+        if self.kind == "elu":
+            return F.elu(proj_BHTF) + 1
+        return torch.cat([proj_BHTF.softmax(dim=-1), (-proj_BHTF).softmax(dim=-1)], dim=-1)
+
+    def flops_per_token(self) -> int:
+        """The per-head projection; the nonlinearity is elementwise and not counted."""
+        num_heads, head_dim, feature_dim = self.weight_HEF.shape
+        return 2 * num_heads * head_dim * feature_dim
+
+
+class LinearAttention(nn.Module):
+    """Learnable feature maps for q and k plus the kernel: chunked, or recurrent for one new token."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        feature_map: str,
+        feature_dim: int,
+        causal: bool,
+        chunk_size: int,
+        **factory: Any,
+    ) -> None:
+        super().__init__()
+        self.q_features = FeatureMap(num_heads, head_dim, feature_dim, feature_map, **factory)
+        self.k_features = FeatureMap(num_heads, head_dim, feature_dim, feature_map, **factory)
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        q_BHTE: torch.Tensor,
+        k_BHTE: torch.Tensor,
+        v_BHTE: torch.Tensor,
+        mask_BT: torch.Tensor | None = None,
+        state_BHFX: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 ``out_BHTE`` and the state after the last position (None when bidirectional).
+
+        ``mask_BT`` (1 = token, 0 = padding) zeroes the keys' features of padded positions
+        before they reach the state or the normaliser.
+        """
+        phi_q_BHTF, phi_k_BHTF = self.q_features(q_BHTE), self.k_features(k_BHTE)
+        if mask_BT is not None:
+            phi_k_BHTF = phi_k_BHTF * mask_BT[:, None, :, None]
+        if not self.causal:
+            return bidirectional_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE), None
+        if state_BHFX is not None and q_BHTE.shape[2] == 1:
+            return linear_attention_step(phi_q_BHTF, phi_k_BHTF, v_BHTE, state_BHFX)
+        return causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, self.chunk_size, state_BHFX)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Feature maps plus kernel multiply-adds per token, over all heads.
+
+        Per head: the state update and the readout are F * E each, the normaliser F each;
+        the causal kernel adds the full C x C in-chunk scores and values (C * (F + E)).
+        """
+        features, head_dim = self.q_features.num_features, self.head_dim
+        macs = 2 * features * head_dim + 2 * features
+        if self.causal:
+            macs += min(self.chunk_size, seq_len) * (features + head_dim)
+        maps = self.q_features.flops_per_token() + self.k_features.flops_per_token()
+        return maps + 2 * self.num_heads * macs
+
+
+def apply_rotary(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding as Llama/Qwen2/Mistral apply it (rotate-half layout)."""
+    half = x_BHTE.shape[-1] // 2
+    rotated_BHTE = torch.cat([-x_BHTE[..., half:], x_BHTE[..., :half]], dim=-1)
+    return x_BHTE * cos_BTE.unsqueeze(1) + rotated_BHTE * sin_BTE.unsqueeze(1)
+
+
+def split_heads(x_BTD: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``(B, T, heads * E) -> (B, heads, T, E)``."""
+    return x_BTD.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+
+
+def merge_heads(x_BHTE: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, H, T, E) -> (B, T, H * E)`` in the model's dtype."""
+    return x_BHTE.transpose(1, 2).flatten(2).to(dtype)
+
+
+class LinearAttentionBlock(nn.Module):
+    """The teacher's pre-norm decoder layer with linear attention in place of softmax attention.
+
+    Its q/k/v/o projections, optional q/k norms (Qwen3), norms, MLP and rotary embedding are
+    the modules of a teacher layer (``layer`` and ``rotary_emb``, or fresh ones of the
+    teacher's classes built from ``config``); only the feature maps are new.
+    """
+
+    def __init__(
+        self,
+        config: DistillLlamaConfig,
+        layer_idx: int,
+        layer: nn.Module | None = None,
+        rotary_emb: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        spec = config.distill_layers[str(layer_idx)]
+        layer = layer if layer is not None else teacher_class(config, "layer")(config, layer_idx)
+        attn = layer.self_attn
+        self.input_layernorm = layer.input_layernorm
+        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+        self.o_proj = attn.o_proj
+        self.q_norm = getattr(attn, "q_norm", nn.Identity())
+        self.k_norm = getattr(attn, "k_norm", nn.Identity())
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        weight = attn.q_proj.weight
+        if rotary_emb is None:
+            rotary_emb = teacher_class(config, "rotary")(config=config)
+        self.rotary_emb = rotary_emb
+        self.head_dim = attn.head_dim
+        self.num_kv_groups = attn.num_key_value_groups
+        self.layer_idx = layer_idx
+        self.attention = LinearAttention(
+            attn.q_proj.out_features // attn.head_dim,
+            attn.head_dim,
+            feature_map=spec["feature_map"],
+            feature_dim=int(spec["feature_dim"]),
+            causal=bool(getattr(config, "is_causal", True)),
+            chunk_size=int(spec["chunk_size"]),
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Pre-norm linear attention residual, then pre-norm MLP residual, as in the teacher."""
+        seq_len = hidden_BTD.shape[1]
+        position_ids = default_positions(
+            position_ids, past_length(cache, self.layer_idx), seq_len, hidden_BTD.device
+        )
+        normed_BTD = self.input_layernorm(hidden_BTD)
+        q_BHTE = self.q_norm(split_heads(self.q_proj(normed_BTD), self.head_dim))
+        k_BKTE = self.k_norm(split_heads(self.k_proj(normed_BTD), self.head_dim))
+        v_BKTE = split_heads(self.v_proj(normed_BTD), self.head_dim)
+        cos_BTE, sin_BTE = self.rotary_emb(hidden_BTD, position_ids)
+        q_BHTE = apply_rotary(q_BHTE, cos_BTE, sin_BTE)
+        k_BHTE = apply_rotary(k_BKTE, cos_BTE, sin_BTE).repeat_interleave(self.num_kv_groups, 1)
+        v_BHTE = v_BKTE.repeat_interleave(self.num_kv_groups, 1)
+        out_BHTE, state_BHFX = self.attention(
+            q_BHTE, k_BHTE, v_BHTE, new_token_mask(attention_mask, seq_len), recurrent_state(cache, self.layer_idx)
+        )
+        store_state(cache, self.layer_idx, state_BHFX, seq_len)
+        hidden_BTD = hidden_BTD + self.o_proj(merge_heads(out_BHTE, hidden_BTD.dtype))
+        return hidden_BTD + self.mlp(self.post_attention_layernorm(hidden_BTD))
+
+
+# ---------------------------------------------------------------------- replaced layers
+
+
+class LowRankLinear(nn.Module):
+    """``x -> up(down(x))``: an ``O x I`` map stored as ``O x R`` and ``R x I`` factors."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool, **factory: Any) -> None:
+        super().__init__()
+        self.down = nn.Linear(in_features, rank, bias=False, **factory)
+        self.up = nn.Linear(rank, out_features, bias=bias, **factory)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.rank = rank
+
+    def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
+        """Apply the factorised map."""
+        return self.up(self.down(x_BTI))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"
+
+
+def factorise(layer: nn.Module, ranks: dict[str, int]) -> None:
+    """Swap each named ``nn.Linear`` of ``layer`` for an (uninitialised) LowRankLinear of its rank."""
+    for name, rank in ranks.items():
+        linear = layer.get_submodule(name)
+        factory = {"device": linear.weight.device, "dtype": linear.weight.dtype}
+        low_rank = LowRankLinear(linear.in_features, linear.out_features, int(rank), linear.bias is not None, **factory)
+        layer.set_submodule(name, low_rank)
+
+
+def layer_config(config: DistillLlamaConfig, overrides: dict[str, Any]) -> DistillLlamaConfig:
+    """``config`` with one layer's overrides (a pruned layer's sizes); itself when there are none."""
+    if not overrides:
+        return config
+    out = copy.copy(config)
+    for key, value in overrides.items():
+        setattr(out, key, value)
+    return out
+
+
+def run_teacher_layer(
+    layer: nn.Module,
+    rotary_emb: nn.Module,
+    layer_type: str,
+    hidden_BTD: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache: Cache | None = None,
+) -> torch.Tensor:
+    """Call a layer of the teacher's class with what the teacher's model would pass it.
+
+    The mask of its attention type is built from the 2D padding mask and the layer's own
+    cache layer, exactly as the teacher's forward builds it; keys and values go to the cache.
+    """
+    config, layer_idx = layer.self_attn.config, layer.self_attn.layer_idx
+    position_ids = default_positions(position_ids, past_length(cache, layer_idx), hidden_BTD.shape[1], hidden_BTD.device)
+    mask_fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
+    mask = mask_fn(
+        config=config,
+        inputs_embeds=hidden_BTD,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+        layer_idx=layer_idx if cache is not None else None,
+    )
+    output = layer(
+        hidden_BTD,
+        attention_mask=mask,
+        position_embeddings=rotary_emb(hidden_BTD, position_ids),
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=cache is not None,
+    )
+    return output[0] if isinstance(output, tuple) else output
+
+
+class DistillLlamaTeacherLayer(nn.Module):
+    """Kinds copy, pruned and lowrank: a layer of the teacher's class, run as the teacher runs it.
+
+    ``pruned`` builds it from the config with the layer's ``config_overrides`` (fewer MLP units,
+    fewer KV heads); ``lowrank`` factorises the linear maps named in ``ranks``.
+    """
+
+    def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        spec = config.distill_layers[str(layer_idx)]
+        own_config = layer_config(config, spec.get("config_overrides") or {})
+        self.layer = teacher_class(config, "layer")(own_config, layer_idx)
+        factorise(self.layer, spec.get("ranks") or {})
+        self.rotary_emb = teacher_class(config, "rotary")(config=config)
+        self.layer_type = config.teacher_layer_types[layer_idx]
+
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        return run_teacher_layer(self.layer, self.rotary_emb, self.layer_type, hidden_BTD, attention_mask, position_ids, cache)
+
+
+class DistillLlamaResidualMLP(nn.Module):
+    """Kind mlp: ``x + W2 act(W1 norm(x))``, token by token (its cache layer only counts positions)."""
+
+    def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        spec = config.distill_layers[str(layer_idx)]
+        hidden, units, eps = config.hidden_size, int(spec["hidden_units"]), float(spec["norm_eps"])
+        self.norm = nn.RMSNorm(hidden, eps=eps) if spec["norm"] == "rms" else nn.LayerNorm(hidden, eps=eps)
+        self.up = nn.Linear(hidden, units)
+        self.act = ACT2FN[spec["activation"]]
+        self.down = nn.Linear(units, hidden)
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        store_state(cache, self.layer_idx, None, hidden_BTD.shape[1])
+        return hidden_BTD + self.down(self.act(self.up(self.norm(hidden_BTD))))
+
+
+class DistillLlamaLinearAttentionLayer(nn.Module):
+    """Kind linear_attention: a :class:`LinearAttentionBlock` (state in a LinearAttentionLayer of the cache)."""
+
+    def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.block = LinearAttentionBlock(config, layer_idx)
+
+    def forward(
+        self,
+        hidden_BTD: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        return self.block(hidden_BTD, attention_mask, position_ids, cache)
+
+
+REPLACED_LAYERS: dict[str, type[nn.Module]] = {
+    "copy": DistillLlamaTeacherLayer,
+    "pruned": DistillLlamaTeacherLayer,
+    "lowrank": DistillLlamaTeacherLayer,
+    "mlp": DistillLlamaResidualMLP,
+    "linear_attention": DistillLlamaLinearAttentionLayer,
+}
+"""``config.distill_layers[i]["kind"]`` -> the class of layer i."""
+
+
+def teacher_class(config: DistillLlamaConfig, role: str) -> type[nn.Module]:
+    """The teacher's class for ``role`` ("layer", "norm", "rotary"), from transformers.models only."""
+    path = config.teacher_classes[role]
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name.startswith("transformers.models."):
+        raise ValueError(f"teacher_classes[{role!r}]={path!r} is not a transformers class")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+# ---------------------------------------------------------------------- the model
+
+
+class DistillLlamaPreTrainedModel(PreTrainedModel):
+    config_class = DistillLlamaConfig
+    config: DistillLlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DistillLlamaTeacherLayer", "DistillLlamaResidualMLP", "DistillLlamaLinearAttentionLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The defaults, plus the feature maps' identity start (they are nn.Parameters of ours)."""
+        super()._init_weights(module)
+        if isinstance(module, FeatureMap):
+            num_heads, head_dim, feature_dim = module.weight_HEF.shape
+            eye_HEF = torch.eye(head_dim, feature_dim).expand(num_heads, -1, -1)
+            init.copy_(module.weight_HEF, eye_HEF.to(module.weight_HEF.dtype))
+            init.zeros_(module.bias_HF)
+
+
+class DistillLlamaModel(DistillLlamaPreTrainedModel):
+    """The decoder: teacher embeddings, layers (teacher's or replaced), final norm."""
+
+    def __init__(self, config: DistillLlamaConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = getattr(config, "pad_token_id", None)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([_build_layer(config, idx) for idx in range(config.num_hidden_layers)])
+        self.norm = teacher_class(config, "norm")(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = teacher_class(config, "rotary")(config=config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast | tuple:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        cache = kwargs.pop("past_key_values", cache)
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        _check_cache(cache, self.config)
+        if position_ids is None:
+            past = past_length(cache, 0)
+            position_ids = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        masks = self._teacher_masks(inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        hidden_BTD, all_hidden = inputs_embeds, []
+        for idx, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden_BTD)
+            if str(idx) in self.config.distill_layers:
+                hidden_BTD = layer(hidden_BTD, attention_mask, position_ids, cache)
+                continue
+            hidden_BTD = layer(
+                hidden_BTD,
+                attention_mask=masks[self.config.teacher_layer_types[idx]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            hidden_BTD = hidden_BTD[0] if isinstance(hidden_BTD, tuple) else hidden_BTD
+        hidden_BTD = self.norm(hidden_BTD)
+        if output_hidden_states:
+            all_hidden.append(hidden_BTD)
+        out = BaseModelOutputWithPast(
+            last_hidden_state=hidden_BTD,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+        )
+        return out if return_dict is not False else out.to_tuple()
+
+    def _teacher_masks(
+        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None, position_ids: torch.Tensor
+    ) -> dict[str, Any]:
+        """The mask of each attention type the kept teacher layers use, as the teacher builds it."""
+        kept = {self.config.teacher_layer_types[idx] for idx in range(len(self.layers)) if str(idx) not in self.config.distill_layers}
+        kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask, "cache": cache, "position_ids": position_ids}
+        masks: dict[str, Any] = {}
+        for layer_type in kept:
+            mask_fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
+            masks[layer_type] = mask_fn(**kwargs)
+        return masks
+
+
+def _build_layer(config: DistillLlamaConfig, layer_idx: int) -> nn.Module:
+    """Layer ``layer_idx``: the class of its kind where replaced, else the teacher's own."""
+    spec = config.distill_layers.get(str(layer_idx))
+    if spec is None:
+        return teacher_class(config, "layer")(config, layer_idx)
+    return REPLACED_LAYERS[spec["kind"]](config, layer_idx)
+
+
+def _check_cache(cache: Cache | None, config: DistillLlamaConfig) -> None:
+    """A cache this model can use: one built from its config (``DynamicCache(config=model.config)``)."""
+    if cache is None:
+        return
+    layers = getattr(cache, "layers", None)
+    ok = layers is not None and len(layers) == config.num_hidden_layers and all(
+        hasattr(layers[idx], "update_recurrent_state")
+        for idx, layer_type in enumerate(config.layer_types)
+        if layer_type == RECURRENT_LAYER_TYPE
+    )
+    if not ok:
+        raise ValueError(
+            "this student keeps recurrent state for its replaced layers: pass "
+            "cache=DynamicCache(config=model.config) (or none: the model makes one)."
+        )
+
+
+class DistillLlamaForCausalLM(DistillLlamaPreTrainedModel, GenerationMixin):
+    """The decoder plus the teacher's LM head; ``generate()`` decodes with the cache."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DistillLlamaConfig) -> None:
+        super().__init__(config)
+        self.model = DistillLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        hidden_BTD = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits_BTV = self.lm_head(hidden_BTD[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits_BTV, labels=labels, vocab_size=self.config.vocab_size)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits_BTV, cache=outputs.cache, hidden_states=outputs.hidden_states)
+        return out if return_dict is not False else out.to_tuple()
+
+
+DistillLlamaConfig.register_for_auto_class()
+DistillLlamaModel.register_for_auto_class("AutoModel")
+DistillLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["DistillLlamaForCausalLM", "DistillLlamaModel", "DistillLlamaPreTrainedModel"]
