@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distill.config import Dtype, Trainable
+from distill.pipeline import slot
 from distill.pipeline.slot import slot_stride
 
 DTYPE_BYTES: dict[str, int] = {Dtype.float32: 4, Dtype.bfloat16: 2, Dtype.float16: 2}
@@ -45,8 +46,9 @@ def sample_bytes(seq_len: int, hidden_size: int, dtype: str, positions: int, top
 
 
 def segment_bytes(sample: int, slots: int) -> int:
-    """One shared-memory segment of ``slots`` slots (header + payload, aligned)."""
-    return slots * slot_stride(sample)
+    """One shared-memory segment of ``slots`` slots (header + payload, aligned) and the
+    segment header behind them (``distill.pipeline.slot.segment_bytes``, the one formula)."""
+    return slot.segment_bytes(slots, slot_stride(sample))
 
 
 def shm_bytes(sample: int, slot_count: int, loader_workers: int = 0, ranks: int = 1) -> int:

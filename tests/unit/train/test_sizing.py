@@ -49,7 +49,7 @@ def test_shm_bytes_is_the_segment_a_student_creates() -> None:
     with SharedMemoryManager(cfg.pipeline.slot_count, slot_stride(batch_config.nbytes())) as segment:
         measured = os.stat(f"/dev/shm/{segment.buf_name}").st_size
     assert measured == segment_bytes(batch_config.nbytes(), cfg.pipeline.slot_count)
-    assert shm_bytes(1000, 4, loader_workers=3, ranks=2) == 2 * (3 * 4 + 1) * slot_stride(1000)
+    assert shm_bytes(1000, 4, loader_workers=3, ranks=2) == 2 * (3 * (4 * slot_stride(1000) + 64) + slot_stride(1000) + 64)
 
 
 def test_parameter_count_of_a_real_model() -> None:
