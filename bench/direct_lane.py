@@ -14,7 +14,8 @@ gather), but the pool's ``flush`` sends each REQUEST as one Unix datagram straig
 worker maps the student's segment, fills the asked-for slots with ``fill_sample``,
 commits their headers with ``write_headers`` and notifies with the real
 ``NoticeOutbox``. It has none of the real lane's rules (declines, dead workers,
-generation checks, statistics), so it is a ceiling.
+generation checks, statistics, the fair share), so it is a ceiling; it does claim each
+slot before writing it, as every writer must (``distill/pipeline/worker/claims.py``).
 
 Side by side in one run, per slot count (4 MiB samples, batches of 4): cold memcpy
 (the reference), the pipe handoff (the transport ceiling: two small messages per
@@ -44,9 +45,10 @@ import torch
 from children import Children, child_init  # bench/children.py
 
 from distill.pipeline import DistillIterableDataset, SlotPool
+from distill.pipeline.liveness import new_writer_id
 from distill.pipeline.mediums.shm import attach_segment
 from distill.pipeline.notices import NoticeOutbox
-from distill.pipeline.slot import HEADER_BYTES, header_table, write_headers
+from distill.pipeline.slot import HEADER_BYTES, HeaderTable
 
 SAMPLE_BYTES = 4 << 20
 BATCH_SIZE = 4
@@ -63,17 +65,21 @@ def run_direct_worker(parent_pid: int, ready, segment: str, stride: int, slot_co
     child_init(parent_pid)
     requests = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     requests.bind(request_path)
-    mapping = attach_segment(segment, stride * slot_count)
-    table = header_table(memoryview(mapping), stride)
-    rows = torch.frombuffer(mapping, dtype=torch.uint8).view(slot_count, stride)
+    attached = attach_segment(segment)
+    view = memoryview(attached.mapping)[:stride * slot_count]
+    table = HeaderTable(view, stride)
+    writer = new_writer_id()
+    rows = torch.frombuffer(view, dtype=torch.uint8).view(slot_count, stride)
     payloads = rows[:, HEADER_BYTES:HEADER_BYTES + payload_bytes]
     outbox = NoticeOutbox(Path(inbox_dir))
     ready.set()
     while True:
         generation, slots = msgpack.unpackb(requests.recv(MAX_REQUEST_BYTES))
+        slot_idxs = [slot for slot, _ in slots]
+        table.set_claims(slot_idxs, writer)
         for slot, request_id in slots:
             bp.fill_sample(payloads[slot], request_id)
-        write_headers(table, [slot for slot, _ in slots], generation, [req for _, req in slots], payload_bytes)
+        table.write(slot_idxs, generation, [req for _, req in slots], payload_bytes, writer=writer)
         if not outbox.send(segment, generation, [[slot, req, True] for slot, req in slots]):
             raise RuntimeError(f"notice to {segment} not sent")
 
@@ -96,12 +102,13 @@ class DirectDataset(DistillIterableDataset):
         lane = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
         def flush() -> None:  # replaces the REQUEST to the broker
-            if not pool._to_request:
+            table = pool.slots
+            if not table.to_send:
                 return
             by_worker: dict[int, list[list[int]]] = {}
-            for slot in pool._to_request:
-                by_worker.setdefault(slot % len(paths), []).append([slot, pool._pending[slot]])
-            pool._to_request.clear()
+            for slot in dict.fromkeys(table.to_send):
+                by_worker.setdefault(slot % len(paths), []).append([slot, table.records[slot].request_id])
+            table.to_send.clear()
             for worker, slots in by_worker.items():
                 lane.sendto(msgpack.packb([pool._generation(), slots]), paths[worker])
 

@@ -14,11 +14,30 @@ prints, for a broker process (``distill.pipeline.Broker``):
    worker to serve them, for ``--flood-seconds`` (the broker refuses what exceeds
    its per-run queue bound and answers ERROR), then leaves (BYE). RSS before, peak
    during, and after the flood's requests were dropped.
+3. ``fairness``: what a flooding peer costs a good student. One worker and one
+   student (this process, a ``StudentClient`` of 32 slots of 4 KiB, direct requests off:
+   every sample goes through the broker) take samples in ``--rounds`` pairs of
+   ``--fair-seconds`` windows, one quiet and one while a flooder (its own process) sends
+   in turn, never reading an answer: REQUESTs of ~1.9 MiB of empty maps (the dearest
+   bytes to unpack), of ~4 MiB (the old message limit) and valid REQUESTs of 8,192
+   fresh slots. Printed side by side: the student's samples/s (median over the rounds)
+   and their ratio, the broker's RSS, the longest a STATS (asked every 0.25 s) waited.
+
+4. ``--e2e``: peak RSS of the end-to-end stage's student rank on a random-weights Llama of
+   about 1B parameters (hidden 2048, 16 layers, vocabulary 32k, bfloat16, all 16 layers
+   replaced by float32 ``ResidualMLP(hidden_mult=0.25)``, trainable=replacements), on CPU:
+   teacher loaded, student built, ``--e2e-steps`` AdamW steps on random top-32 targets,
+   the stage's weights saved. ``before`` is main before issue 22 (the spliced student a
+   deep copy of the teacher, the KL on the full [B, T, V] logits, every tensor cloned at
+   save), rebuilt here from the same parts; ``after`` is ``distill.train.e2e`` as it is.
+   Each cell runs in a fresh process (its own high-water mark, VmHWM), at 1024 and 4096
+   tokens per step (micro-batches of 2 and 8 chunks of 512).
 
 Run it from the repository root::
 
-    python bench/memory.py            # 60 s sustained + 10 s flood
-    python bench/memory.py --quick    # 10 s + 3 s
+    python bench/memory.py            # 60 s sustained + 10 s flood + 3 x (4 + 4) s fairness
+    python bench/memory.py --quick    # 10 s + 3 s + 3 x (2 + 2) s
+    python bench/memory.py --e2e      # the end-to-end stage, before / after (about 5 minutes)
 """
 
 from __future__ import annotations
@@ -28,22 +47,35 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import msgpack
+import torch
 import zmq
-from children import Children, run_broker  # bench/children.py
-from pipeline import run_worker, sample_config  # bench/pipeline.py
+from children import SPAWN, Children, child_init, run_broker  # bench/children.py
+from pipeline import fill_targets, run_worker, sample_config  # bench/pipeline.py
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from distill.pipeline import DistillIterableDataset, StudentClient, protocol
-from distill.pipeline.protocol import Command
+from distill.model.assemble import splice
+from distill.model.teacher import Teacher
+from distill.pipeline import DistillIterableDataset, StudentClient, Worker, protocol
+from distill.pipeline.protocol import PROTOCOL_TAG, Command
+from distill.replacements.mlp import ResidualMLP
+from distill.train import checkpoint as ckpt
+from distill.train.e2e import E2EStudent, topk_kl
 
 SAMPLE_BYTES = 256 << 10
 BATCH, SLOTS, WORKER_BATCH = 32, 128, 32
 SAMPLE_EVERY_S = 0.5
 FLOOD_SLOTS_PER_REQUEST = 1000
+FAIR_SAMPLE_BYTES, FAIR_SLOTS, FAIR_WORKER_BATCH = 4096, 32, 16
+STATS_EVERY_S = 0.25
 
 
 @dataclass
@@ -138,6 +170,135 @@ def flood(endpoints: dict[str, str], broker_pid: int, seconds: float) -> Trace:
     return trace
 
 
+@dataclass
+class Fairness:
+    """The good student's samples/s per window, quiet and flooded, and what the broker showed."""
+
+    quiet: list[float] = field(default_factory=list)
+    flooded: list[float] = field(default_factory=list)
+    rss_kib: list[int] = field(default_factory=list)
+    stats_waits_s: list[float] = field(default_factory=list)
+    flood_sent: int = 0
+
+
+def run_fair_worker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
+    """A worker whose every fill goes through the broker (no direct requests)."""
+    child_init(parent_pid)
+    worker = Worker(batch_fn=fill_targets, batch_config=sample_config(FAIR_SAMPLE_BYTES), max_batch=FAIR_WORKER_BATCH,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                    direct_requests=False)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    ready.set()
+    worker.run()
+
+
+def _flood_messages(peer_id: str) -> list[list[bytes]]:
+    """The flood, in turn: ~1.9 MiB of empty maps, ~4 MiB of them, a valid 8,192-slot REQUEST."""
+    head = {"run_id": "default", "peer_id": peer_id, "generation": 0, "medium": f"dst_flood_{os.getpid()}_1",
+            "stride": 4160}
+    bodies = []
+    for count in (1_900_000, 4 * 2**20 - 4096):  # lists of 65,536 maps: each passes max_array_len
+        lists = [min(65536, count - start) for start in range(0, count, 65536)]
+        slots = (b"\xdd" + len(lists).to_bytes(4, "big")
+                 + b"".join(b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n for n in lists))
+        packed = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in head.items())
+        bodies.append([PROTOCOL_TAG, Command.REQUEST.value,
+                       b"\xde" + (len(head) + 1).to_bytes(2, "big") + packed + msgpack.packb("slots") + slots])
+    return bodies
+
+
+def run_flooder(parent_pid: int, ready, endpoint: str, flooding, sent) -> None:
+    """Sends the flood while ``flooding`` is set, as fast as the broker takes it, reading nothing."""
+    child_init(parent_pid)
+    peer_id = f"flooder-{os.getpid()}"
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, peer_id.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    messages, request_id = _flood_messages(peer_id), 0
+    ready.set()
+    while True:
+        flooding.wait()
+        request_id += 8192
+        valid = protocol.encode(Command.REQUEST, {
+            "run_id": "default", "peer_id": peer_id, "generation": 0, "medium": f"dst_flood_{os.getpid()}_1",
+            "stride": 4160, "slots": [[i, request_id + i] for i in range(8192)]})
+        for frames in (*messages, valid):
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                sent.value += 1
+            except zmq.Again:
+                sock.poll(50, zmq.POLLOUT)
+
+
+def fairness(endpoints: dict[str, str], broker_pid: int, seconds: float, rounds: int) -> Fairness:
+    """Quiet and flooded windows in turn; the good student's rate in each (see module docstring)."""
+    result = Fairness()
+    flooding, sent = SPAWN.Event(), SPAWN.Value("q", 0)
+    with Children() as kids, StudentClient(0, FAIR_SLOTS, sample_config(FAIR_SAMPLE_BYTES), endpoints["frontend"],
+                                           endpoints["control"], endpoints["control_pub"],
+                                           direct_requests=False) as client:
+        kids.start(run_fair_worker, endpoints)
+        kids.start(run_flooder, endpoints["frontend"], flooding, sent)
+        client.hello()
+        client.set_model("fairness")
+        _samples_per_s(client, 1.0, endpoints, broker_pid, None)  # warm up
+        for _ in range(rounds):
+            result.quiet.append(_samples_per_s(client, seconds, endpoints, broker_pid, None))
+            flooding.set()
+            time.sleep(0.5)  # the flood is on before the window opens
+            result.flooded.append(_samples_per_s(client, seconds, endpoints, broker_pid, result))
+            flooding.clear()
+            time.sleep(1.0)  # what the flooder had queued drains
+        result.flood_sent = sent.value
+    return result
+
+
+def _samples_per_s(client: StudentClient, seconds: float, endpoints: dict[str, str], broker_pid: int,
+                   watch: Fairness | None) -> float:
+    count, start = 0, time.monotonic()
+    next_stats = start
+    while (now := time.monotonic()) - start < seconds:
+        if watch is not None and now >= next_stats:
+            watch.stats_waits_s.append(_stats_wait_s(endpoints["frontend"]))
+            watch.rss_kib.append(rss_kib(broker_pid))
+            next_stats = time.monotonic() + STATS_EVERY_S
+        ref = client.request_sample(timeout_ms=60_000)
+        if ref is None:
+            raise RuntimeError("the good student got no sample for 60 s")
+        client.release_slot(ref.slot_id)
+        count += 1
+    return count / (time.monotonic() - start)
+
+
+def _stats_wait_s(frontend: str, timeout_s: float = 60.0) -> float:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(frontend)
+    try:
+        started = time.monotonic()
+        protocol.send(sock, Command.STATS, {})
+        if not sock.poll(timeout_s * 1000):
+            return float("inf")
+        sock.recv_multipart()
+        return time.monotonic() - started
+    finally:
+        sock.close(0)
+
+
+def print_fairness(result: Fairness, seconds: float, rss_before_kib: int) -> None:
+    quiet, flooded = statistics.median(result.quiet), statistics.median(result.flooded)
+    print(f"\nfairness: a good student through the broker ({FAIR_SLOTS} slots of {FAIR_SAMPLE_BYTES >> 10} KiB, "
+          f"1 worker) in {len(result.quiet)} pairs of {seconds:g} s windows, quiet and while one peer floods "
+          f"({result.flood_sent:,} flood messages sent)")
+    print(f"{'window':<10} {'samples/s':>10} {'lowest':>10} {'highest':>10} {'vs quiet':>9} {'broker MiB':>11} "
+          f"{'STATS wait':>11}")
+    print(f"{'quiet':<10} {quiet:>10,.0f} {min(result.quiet):>10,.0f} {max(result.quiet):>10,.0f} {1:>9.2f} "
+          f"{rss_before_kib / 1024:>11.1f} {'-':>11}")
+    print(f"{'flooded':<10} {flooded:>10,.0f} {min(result.flooded):>10,.0f} {max(result.flooded):>10,.0f} "
+          f"{flooded / quiet:>9.2f} {max(result.rss_kib) / 1024:>11.1f} {max(result.stats_waits_s) * 1000:>9.1f}ms")
+
+
 def print_trace(trace: Trace, unit: str) -> None:
     rss = trace.rss_kib
     print(f"{trace.name:<10} {len(rss):>7} {rss[0] / 1024:>10.1f} {max(rss) / 1024:>9.1f} "
@@ -149,9 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="10 s sustained, 3 s flood")
     parser.add_argument("--seconds", type=float, default=None, help="sustained phase (default 60)")
     parser.add_argument("--flood-seconds", type=float, default=None, help="flood phase (default 10)")
+    parser.add_argument("--e2e", action="store_true", help="the end-to-end stage's peak RSS, before / after")
+    parser.add_argument("--e2e-steps", type=int, default=2, help="training steps per end-to-end cell")
+    parser.add_argument("--e2e-layers", type=int, default=E2E_LAYERS, help="teacher layers (16: ~1B parameters)")
+    parser.add_argument("--fair-seconds", type=float, default=None, help="each fairness window (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="quiet/flooded window pairs (default 3)")
+    parser.add_argument("--only-fairness", action="store_true", help="skip the sustained and flood phases")
     args = parser.parse_args(argv)
+    if args.e2e:
+        return e2e_main(args.e2e_steps, args.e2e_layers)
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     flood_s = args.flood_seconds or (3.0 if args.quick else 10.0)
+    fair_s = args.fair_seconds or (2.0 if args.quick else 4.0)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     logging.getLogger("distill").setLevel(logging.ERROR)  # the flood's refusals are expected
     sock_dir = tempfile.mkdtemp(prefix="distill-mem-")
@@ -160,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Children() as shared:
             broker_pid = shared.start(run_broker, endpoints)
-            traces = [(sustained(endpoints, broker_pid, seconds), "samples served"),
-                      (flood(endpoints, broker_pid, flood_s), "slots requested")]
+            traces = [] if args.only_fairness else [
+                (sustained(endpoints, broker_pid, seconds), "samples served"),
+                (flood(endpoints, broker_pid, flood_s), "slots requested")]
+            rss_before = rss_kib(broker_pid)
+            fair = fairness(endpoints, broker_pid, fair_s, args.rounds)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -169,10 +342,124 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(sock_dir, ignore_errors=True)
     print(f"distill broker memory: {os.cpu_count()} CPUs, {SAMPLE_BYTES >> 10} KiB samples, "
           f"RSS sampled every {SAMPLE_EVERY_S} s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'phase':<10} {'samples':>7} {'first MiB':>10} {'peak MiB':>9} {'last MiB':>9} "
-          f"{'KiB/min':>12} {'count':>14}")
+    if traces:
+        print(f"{'phase':<10} {'samples':>7} {'first MiB':>10} {'peak MiB':>9} {'last MiB':>9} "
+              f"{'KiB/min':>12} {'count':>14}")
     for trace, unit in traces:
         print_trace(trace, unit)
+    print_fairness(fair, fair_s, rss_before)
+    return 0
+
+
+# ---------------------------------------------------------------------- --e2e
+
+E2E_HIDDEN, E2E_LAYERS, E2E_VOCAB, E2E_SEQ, E2E_TOP_K = 2048, 16, 32000, 512, 32
+E2E_BATCHES = (2, 8)
+"""Micro-batch sizes (chunks of E2E_SEQ tokens) of the end-to-end cells."""
+GIB = 2**30
+
+
+def e2e_teacher_dir(directory: str, num_layers: int) -> str:
+    """A random-weights Llama of about 1B parameters (16 layers) saved in bfloat16."""
+    config = LlamaConfig(vocab_size=E2E_VOCAB, hidden_size=E2E_HIDDEN, intermediate_size=5632,
+                         num_hidden_layers=num_layers, num_attention_heads=16, num_key_value_heads=16,
+                         max_position_embeddings=E2E_SEQ, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory)
+    del model
+    return f"{params / 1e9:.2f}B parameters"
+
+
+def hwm_gib() -> float:
+    """This process's peak resident set size (VmHWM) so far."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GIB
+    raise RuntimeError("no VmHWM")
+
+
+def _e2e_cell(teacher_dir: str, variant: str, batch: int, steps: int, save_dir: str, results) -> None:
+    """One cell in a fresh process: load, build, train, save; the high-water mark after each."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    marks = {}
+    teacher = Teacher.from_pretrained(teacher_dir, dtype="bfloat16")
+    marks["teacher loaded"] = hwm_gib()
+    torch.manual_seed(1)
+    replacements = {idx: ResidualMLP(teacher, idx, hidden_mult=0.25).float() for idx in range(teacher.num_layers)}
+    student = (BeforeStudent if variant == "before" else E2EStudent)(teacher, replacements, "replacements")
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-4)
+    marks["student built"] = hwm_gib()
+    gen = torch.Generator().manual_seed(2)
+    started = time.monotonic()
+    for _ in range(steps):
+        ids_BT = torch.randint(0, E2E_VOCAB, (batch, E2E_SEQ), generator=gen)
+        # what a worker sends: K log-probabilities (descending) and their token ids per token
+        logp_BTK = torch.randn(batch, E2E_SEQ, E2E_TOP_K, generator=gen).sort(-1, descending=True).values - 3.0
+        idx_BTK = torch.randint(0, E2E_VOCAB, (batch, E2E_SEQ, E2E_TOP_K), generator=gen)
+        loss, _ = student(ids_BT, logp_BTK, idx_BTK)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del logp_BTK, idx_BTK, loss
+    marks["training steps"] = hwm_gib()
+    step_s = (time.monotonic() - started) / steps
+    if variant == "before":  # main's _contiguous cloned every tensor before writing
+        save_file({k: v.detach().contiguous().clone() for k, v in student.state_dict().items()},
+                  os.path.join(save_dir, f"{variant}{batch}.safetensors"))
+    else:
+        ckpt.save_stage_weights(Path(save_dir), batch, student)
+    marks["weights saved"] = hwm_gib()
+    results.put({"variant": variant, "batch": batch, "marks": marks, "step_s": step_s})
+
+
+class BeforeStudent(E2EStudent):
+    """The end-to-end student as main had it before issue 22: a deep copy of the teacher (all
+    but the replaced layers) and the KL on the full logits (``topk_kl`` of [B*T, V])."""
+
+    def __init__(self, teacher: Teacher, replacements: dict, trainable: str) -> None:
+        super().__init__(teacher, replacements, trainable)
+        self.model = splice(teacher, replacements).requires_grad_(False)  # the deep copy
+        for replacement in replacements.values():
+            replacement.requires_grad_(True)
+
+    def forward(self, ids_BT: torch.Tensor, logp_BTK: torch.Tensor, idx_BTK: torch.Tensor):
+        final_BTD = self.final_hidden(ids_BT)
+        logits_BTV = self.logits(final_BTD)
+        return topk_kl(logits_BTV.flatten(0, 1), logp_BTK.flatten(0, 1), idx_BTK.flatten(0, 1), 1.0), final_BTD
+
+
+def e2e_main(steps: int, num_layers: int) -> int:
+    """Every (variant, batch) cell in its own process, then one table."""
+    work = tempfile.mkdtemp(prefix="distill-e2e-mem-")
+    rows = []
+    try:
+        described = e2e_teacher_dir(os.path.join(work, "teacher"), num_layers)
+        for batch in E2E_BATCHES:
+            for variant in ("before", "after"):
+                results = SPAWN.Queue()
+                proc = SPAWN.Process(target=_e2e_cell, args=(os.path.join(work, "teacher"), variant, batch,
+                                                              steps, work, results))
+                proc.start()
+                rows.append(results.get(timeout=3600))
+                proc.join(60)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"end-to-end stage peak RSS (VmHWM, GiB): random Llama {described} (hidden {E2E_HIDDEN}, "
+          f"{num_layers} layers, vocab {E2E_VOCAB}, bf16), trainable=replacements ({num_layers} float32 MLPs), "
+          f"{steps} AdamW steps, {os.cpu_count()} CPUs")
+    phases = list(rows[0]["marks"])
+    print(f"{'tokens/step':>11} {'variant':<7} " + " ".join(f"{p:>15}" for p in phases) + f" {'s/step':>7}")
+    for row in rows:
+        print(f"{row['batch'] * E2E_SEQ:>11} {row['variant']:<7} "
+              + " ".join(f"{row['marks'][p]:>15.2f}" for p in phases) + f" {row['step_s']:>7.1f}")
+    for batch in E2E_BATCHES:
+        before, after = ([r for r in rows if r["batch"] == batch and r["variant"] == v][0] for v in ("before", "after"))
+        over = {v: r["marks"]["weights saved"] - r["marks"]["teacher loaded"] for v, r in (("before", before), ("after", after))}
+        print(f"{batch * E2E_SEQ} tokens: stage peak above the loaded teacher {over['before']:.2f} -> "
+              f"{over['after']:.2f} GiB ({over['after'] / over['before']:.2f}x)")
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import multiprocessing as mp
 import os
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.pipeline.mediums.shm import list_segments
+from distill.pipeline.mediums.shm import list_segments, owner_state
 
 SPAWN = mp.get_context("spawn")
 
@@ -25,7 +24,8 @@ def no_leaked_shared_memory() -> Iterator[None]:
     A leak is a segment that appeared during the test and is either ownerless (its
     owner's lock is free: the owner died without unlinking) or still owned by this
     process. Live segments of unrelated processes (another test run, a benchmark)
-    are neither counted nor touched.
+    are neither counted nor touched, nor is anything that is not a regular file of
+    this user (looked at without blocking: ``owner_state``).
     """
     before = set(list_segments())
     yield
@@ -41,24 +41,8 @@ def no_leaked_shared_memory() -> Iterator[None]:
 
 def _leaked(before: set[str]) -> set[str]:
     mine = f"_{os.getpid()}_"
-    return {name for name in set(list_segments()) - before if mine in name or not _locked(name)}
-
-
-def _locked(name: str) -> bool:
-    """True while the segment's owner holds its lock (see mediums/shm.py)."""
-    try:
-        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
-    except FileNotFoundError:
-        return True  # gone already: not a leak
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    return {name for name in set(list_segments()) - before
+            if (state := owner_state(name)) in ("orphan", "live", "young") and (mine in name or state == "orphan")}
 
 
 @pytest.fixture

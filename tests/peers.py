@@ -106,23 +106,23 @@ def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results,
                                          timeout_s=60, curve=curve)
         loader = DataLoader(dataset, batch_size=None if batch_size else 8, num_workers=num_workers)
         seen: set[tuple[int, int]] = set()
+        fills: dict[int, list[int]] = {}
         corrupt = duplicates = 0
         for batch in loader:
-            for x, tag, gen, req, src in zip(batch["x"], batch["tag"], batch["generation"],
-                                             batch["request_id"], batch["source"], strict=True):
+            for x, tag, gen, req, src, fill in zip(batch["x"], batch["tag"], batch["generation"],
+                                                   batch["request_id"], batch["source"], batch["fill"], strict=True):
                 key = (int(src), int(req))
                 duplicates += key in seen
                 seen.add(key)
+                fills.setdefault(int(src), []).append(int(fill))
                 ok = torch.equal(x, expected_x(int(req), int(gen))) and tag.tolist() == [int(req), int(gen)]
                 corrupt += not ok
             if len(seen) >= num_samples:
                 break
-        per_source: dict[int, list[int]] = {}
-        for src, req in seen:
-            per_source.setdefault(src, []).append(req)
-        # Request ids of a pool are consecutive: a gap not explained by slots still
-        # in flight at the end would be a lost sample.
-        gaps = sum(max(reqs) - min(reqs) + 1 - len(reqs) for reqs in per_source.values())
+        # Fill numbers of a pool are consecutive (its request ids are random): a gap not
+        # explained by slots still in flight at the end would be a lost sample.
+        gaps = sum(max(f) - min(f) + 1 - len(set(f)) for f in fills.values())
+        per_source = fills
         results.put({"rank": rank, "samples": len(seen), "corrupt": corrupt, "duplicates": duplicates,
                      "gaps": gaps, "sources": len(per_source)})
         del loader
@@ -320,3 +320,34 @@ def run_sharing_student(endpoints: dict[str, str], run_id: str, layers: list[int
                 client.release_slot(ref.slot_id)
         results.put({"run_id": run_id, "foreign": foreign, "corrupt": corrupt, "generations": generations,
                      "tags": tags, "counts": dict(client._pool.counts)})
+
+
+def run_slow_writer(endpoints: dict[str, str], mid_file: str, pause_s: float,
+                    heartbeat_interval_s: float = 0.2) -> None:
+    """A worker that writes the first half of each sample, announces its first batch in
+    ``mid_file``, pauses ``pause_s`` (that batch only), writes the second half and then
+    ``mid_file + ".done"``. Every value of ``x`` is the worker's pid: a sample written by
+    two workers shows two values (a non-deterministic teacher's torn sample)."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    mine = float(os.getpid())
+
+    def slow(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        first = not os.path.exists(mid_file)
+        for target in targets:
+            x = target.tensors["x"]
+            x[: x.numel() // 2] = mine
+        if first:
+            with open(mid_file, "w") as f:
+                f.write(str(len(targets)))
+            time.sleep(pause_s)
+        for target in targets:
+            x = target.tensors["x"]
+            x[x.numel() // 2:] = mine
+            target.tensors["tag"].copy_(torch.tensor([target.request_id, target.generation]))
+        if first:
+            with open(mid_file + ".done", "w") as f:
+                f.write("second half written")
+
+    Worker(batch_fn=slow, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()

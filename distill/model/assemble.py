@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distill.model.native import WEIGHTS_FILE, build_native, load_native, write_native
-from distill.model.teacher import TORCH_DTYPES, Teacher, model_class, parse_dtype
+from distill.model.teacher import TORCH_DTYPES, Teacher, call_in_own_dtype, model_class, parse_dtype
 
 try:  # how transformers 5.x collects output_hidden_states; see _record_hidden_states
     from transformers.utils.output_capturing import (
@@ -72,7 +72,8 @@ class SplicedLayer(nn.Module):
     `position_embeddings`, `cache`, ...) and ignores all but `hidden_states`, because a
     replacement builds its own causal mask and rotary embeddings. In transformers 5.x
     both `LlamaModel` and `BertEncoder` take a plain tensor back from each layer, so
-    that is what this returns.
+    that is what this returns, in the dtype it got (a float32 replacement in a bfloat16
+    teacher computes in float32: `call_in_own_dtype`).
     """
 
     def __init__(self, replacement: nn.Module) -> None:
@@ -81,7 +82,7 @@ class SplicedLayer(nn.Module):
         self.layer_idx = getattr(replacement, "layer_idx", None)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """replacement(hidden_states); refuses a KV cache, which it could not keep up."""
+        """replacement(hidden_states) in its own dtype; refuses a KV cache, which it could not keep up."""
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(
                 f"A KV cache reached spliced layer {self.layer_idx}, but replacements keep none "
@@ -89,10 +90,10 @@ class SplicedLayer(nn.Module):
                 "(its config already defaults to it)."
             )
         if _active_collector is None:
-            return self.replacement(hidden_states)
+            return call_in_own_dtype(self.replacement, hidden_states)
         token = _active_collector.set(None)  # inner HF layers must not record outputs
         try:
-            return self.replacement(hidden_states)
+            return call_in_own_dtype(self.replacement, hidden_states)
         finally:
             _active_collector.reset(token)
 
@@ -100,8 +101,9 @@ class SplicedLayer(nn.Module):
 # ---------------------------------------------------------------------- splice
 
 
-def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers.PreTrainedModel:
-    """A deep copy of `teacher.model` with layer l replaced by `replacements[l]`.
+def splice(teacher: Teacher, replacements: dict[int, nn.Module],
+           share_weights: bool = False) -> transformers.PreTrainedModel:
+    """A copy of `teacher.model` with layer l replaced by `replacements[l]`.
 
     The teacher model is left untouched (it keeps producing targets); the replacement
     modules themselves are not copied, so the result shares their weights and sees
@@ -110,12 +112,19 @@ def splice(teacher: Teacher, replacements: dict[int, nn.Module]) -> transformers
     Replacements that call `teacher.run_layer` (TeacherCopy, PrunedLayer, LowRankLayer)
     take rotary embeddings and masks from the teacher, so keep the result on the
     teacher's device; `load_student` builds a self-contained model instead.
+
+    `share_weights=True` copies only the module tree: every parameter and buffer is
+    the teacher's own tensor, so a frozen base costs no second copy of the embeddings,
+    head and kept layers (for a 1B Llama with a 32k vocabulary, 0.5 GB in float32).
+    Training such a result must leave the teacher's parameters frozen.
     """
     teacher.check_layer_idxs(list(replacements))
     # Map the teacher layers about to be replaced to themselves: they are never copied.
     memo = {id(teacher.layers[idx]): teacher.layers[idx] for idx in replacements}
+    if share_weights:
+        memo.update({id(t): t for t in (*teacher.model.parameters(), *teacher.model.buffers())})
     model = copy.deepcopy(teacher.model, memo)
-    _splice_in_place(model, _layer_list_name(teacher), replacements)
+    _splice_in_place(model, layer_list_name(teacher), replacements)
     return model
 
 
@@ -133,7 +142,7 @@ def _splice_in_place(
         model.generation_config.use_cache = False
 
 
-def _layer_list_name(teacher: Teacher) -> str:
+def layer_list_name(teacher: Teacher) -> str:
     """Dotted name of the teacher's layer ModuleList inside `teacher.model`.
 
     Found by identity, so the family's layout stays decided in `distill.model.teacher` alone.
@@ -168,16 +177,18 @@ def export_student(
     replacement_cfgs: dict[int, dict | DictConfig],
     out_dir: str,
     tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """Write the HF-native student to `out_dir` (layout in the module docstring); returns it.
 
     `replacement_cfgs[l]` is the Hydra config that built `replacements[l]` (with
     `_target_` and `_partial_`), kept in distill_student.json as the record of what was
-    trained; the model itself is rebuilt from config.json alone.
+    trained; the model itself is rebuilt from config.json alone. The weights are saved in
+    `dtype` (default: the teacher's), the dtype config.json then declares.
     """
     _check_cfgs(replacements, replacement_cfgs)
     specs = {idx: module.layer_spec() for idx, module in replacements.items()}
-    write_native(out_dir, teacher, replacements, specs)
+    write_native(out_dir, teacher, replacements, specs, dtype=dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     manifest = {
@@ -252,7 +263,7 @@ def _load_legacy(path: str, manifest: dict, device: str, dtype: str | None) -> t
     model.load_state_dict({k: v for k, v in state.items() if k in own_keys}, strict=False)
     teacher = Teacher(model, device=device)
     replacements = _build_replacements(teacher, manifest["layers"])
-    layers_name = _layer_list_name(teacher)
+    layers_name = layer_list_name(teacher)
     originals = {idx: teacher.layers[idx] for idx in replacements}
     _splice_in_place(model, layers_name, replacements)
     _load_strict(model, state, path)

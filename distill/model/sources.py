@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from distill.config import Family
 from distill.model.data import TokenChunks, build_chunks, load_documents
-from distill.model.teacher import Teacher
+from distill.model.teacher import Teacher, teacher_device_map
 from distill.model.tiny import tiny_bert_dir, tiny_teacher_dir
 
 log = logging.getLogger(__name__)
@@ -27,14 +27,29 @@ def teacher_source(cfg: DictConfig) -> str:
     tiny = cfg.teacher.tiny
     shape = {"hidden_size": tiny.hidden_size, "num_layers": tiny.num_layers, "num_heads": tiny.num_heads,
              "seq_len": cfg.data.seq_len, "vocab_size": tiny.vocab_size}
-    if tiny.family == Family.bert:
-        return tiny_bert_dir(cfg.teacher.cache_dir, **shape)
     steps = {"train_steps": tiny.train_steps} if tiny.train_steps is not None else {}
+    if tiny.family == Family.bert:
+        return tiny_bert_dir(cfg.teacher.cache_dir, **shape, **steps)
     return tiny_teacher_dir(cfg.teacher.cache_dir, **shape, **steps)
 
 
 def load_teacher(cfg: DictConfig, device: str | torch.device = "cpu") -> Teacher:
     return Teacher.from_pretrained(teacher_source(cfg), dtype=cfg.teacher.dtype, device=str(device))
+
+
+def load_worker_teacher(cfg: DictConfig) -> Teacher:
+    """The teacher as a worker holds it: spread over ``device.worker_gpus`` by a device map (a
+    teacher larger than one GPU), else whole on ``device.worker_gpu``, else on the CPU."""
+    gpus = cfg.device.get("worker_gpus")
+    if gpus:
+        return Teacher.from_pretrained(teacher_source(cfg), dtype=cfg.teacher.dtype,
+                                       **teacher_device_map(list(gpus)))
+    return load_teacher(cfg, worker_device(cfg))
+
+
+def worker_device(cfg: DictConfig) -> str:
+    """The one device of a worker's teacher (``device.worker_gpu``), when it is not spread."""
+    return f"cuda:{cfg.device.worker_gpu}" if cfg.device.worker_gpu is not None else "cpu"
 
 
 def load_tokenizer(cfg: DictConfig):

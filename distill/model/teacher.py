@@ -24,6 +24,7 @@ Shape legend:
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import transformers
@@ -53,11 +54,19 @@ class _StopForward(Exception):
 class Teacher:
     """A frozen HF model plus what is needed to run its layers one at a time."""
 
-    def __init__(self, model: transformers.PreTrainedModel, device: str | torch.device = "cpu"):
-        """Detect the family, move the model to `device` and freeze it (eval, no grads)."""
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
+    def __init__(self, model: transformers.PreTrainedModel, device: str | torch.device | None = "cpu"):
+        """Detect the family, move the model to `device` and freeze it (eval, no grads).
+
+        `device=None` leaves the model where it is: placed by a transformers `device_map`,
+        its layers possibly on several GPUs. `device` is then where its inputs go (the
+        embeddings' device) and `devices` lists every device that holds a part of it.
+        """
+        if device is not None:
+            model = model.to(torch.device(device))
+        self.model = model.eval()
         self.model.requires_grad_(False)
+        self.devices = sorted({p.device for p in model.parameters()}, key=str)
+        self.device = model.get_input_embeddings().weight.device
         self._base = model.base_model
         self.family = _detect_family(self._base)
         config = model.config
@@ -69,7 +78,7 @@ class Teacher:
         log.info(
             "teacher %s: family=%s layers=%d hidden=%d dtype=%s device=%s attn=%s",
             self.name_or_path, self.family, self.num_layers, self.hidden_size, self.dtype,
-            self.device, getattr(config, "_attn_implementation", None),
+            ",".join(map(str, self.devices)), getattr(config, "_attn_implementation", None),
         )
 
     @classmethod
@@ -79,11 +88,17 @@ class Teacher:
         dtype: str = "float32",
         device: str = "cpu",
         attn_implementation: str | None = None,
+        device_map: str | dict | None = None,
+        max_memory: dict | None = None,
     ) -> Teacher:
         """Load a local checkpoint directory or a hub name (hub names need network).
 
         The class named in the checkpoint's `architectures` is used, so a saved
         `LlamaForCausalLM` keeps its lm_head; without it the bare model is loaded.
+        With `device_map` (and `max_memory`, see `teacher_device_map`) transformers places
+        the model itself, layer by layer, over several devices (a teacher larger than
+        one GPU), with accelerate's hooks moving hidden states between them; `device` is
+        then not used.
         """
         torch_dtype = parse_dtype(dtype)
         path = check_exists(name_or_path)
@@ -91,8 +106,10 @@ class Teacher:
         kwargs = {"dtype": torch_dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
+        if device_map is not None:
+            kwargs.update(device_map=device_map, max_memory=max_memory)
         model = model_cls.from_pretrained(path, **kwargs)
-        return cls(model, device=device)
+        return cls(model, device=None if device_map is not None else device)
 
     # ------------------------------------------------------------------ the stack
 
@@ -170,16 +187,20 @@ class Teacher:
 
         Runs the model's own forward with hooks on the layer modules and stops it right
         after layer max(layer_idxs), so the cost is that of max(layer_idxs)+1 layers.
-        The tensors are detached and stay on the teacher's device, in its dtype.
+        The tensors are detached and stay on the device of the layer that made them (the
+        teacher's device, or its layer's GPU under a device map), in the teacher's dtype.
+        Threads may capture on one teacher at once: each call's hooks act on its own
+        thread's forward only.
         """
         if not layer_idxs:
             return {}
         self.check_layer_idxs(layer_idxs)
         last_idx = max(layer_idxs)
         captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        thread_id = threading.get_ident()
         handles = [
             self.layers[idx].register_forward_hook(
-                _capture_hook(idx, captured, stop=idx == last_idx), with_kwargs=True
+                _capture_hook(idx, captured, stop=idx == last_idx, thread_id=thread_id), with_kwargs=True
             )
             for idx in sorted(set(layer_idxs))
         ]
@@ -247,13 +268,69 @@ class Teacher:
         return num_heads * int(head_dim)
 
 
+# ---------------------------------------------------------------------- placement
+
+
+def teacher_device_map(devices: list[int | str], max_memory: dict | None = None) -> dict:
+    """`from_pretrained` arguments that spread one teacher over `devices` (GPU indices, or
+    "cpu"): transformers' own ``device_map="balanced"`` planner (accelerate's), given only
+    those devices, so layers are split evenly over the GPUs, embeddings on the first and
+    the head on the last. Each device's budget is its free memory now unless
+    `max_memory` says otherwise.
+    """
+    if not devices:
+        raise ValueError("device.worker_gpus is empty: list the GPUs the teacher spreads over, or null")
+    budget = {device: _free_bytes(device) for device in devices}
+    return {"device_map": "balanced", "max_memory": {**budget, **(max_memory or {})}}
+
+
+def _free_bytes(device: int | str) -> int:
+    """Free memory of a CUDA device, or the memory available to this machine's CPU."""
+    if device == "cpu":
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    if not isinstance(device, int) or not 0 <= device < torch.cuda.device_count():
+        raise ValueError(f"device.worker_gpus has {device!r}, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s): list indices among them")
+    return torch.cuda.mem_get_info(device)[0]
+
+
+# ---------------------------------------------------------------------- replacements in the stream
+
+
+def call_in_own_dtype(module: nn.Module, hidden_BTD: torch.Tensor) -> torch.Tensor:
+    """``module(hidden_BTD)`` across a dtype boundary: in the module's dtype, out in the stream's.
+
+    Real teachers run in bfloat16 or float16 while replacements train (and are kept) in
+    float32, so wherever a replacement sits in the teacher's hidden stream (a spliced
+    student, evaluation, the end-to-end stage) its input is cast to its own parameters'
+    dtype and its output back to the stream's, as every layer of the teacher hands back
+    the dtype it got. A module without floating parameters gets the stream's dtype.
+    """
+    dtype = _param_dtype(module)
+    output_BTD = module(hidden_BTD if dtype is None else hidden_BTD.to(dtype))
+    return output_BTD.to(hidden_BTD.dtype)
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the module's first floating-point parameter (None if it has none)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return None
+
+
 # ---------------------------------------------------------------------- helpers
 
 
-def _capture_hook(idx: int, captured: dict, stop: bool):
-    """A forward hook (with kwargs) storing (input, output) of layer `idx`."""
+def _capture_hook(idx: int, captured: dict, stop: bool, thread_id: int):
+    """A forward hook (with kwargs) storing (input, output) of layer `idx` in the forward of
+    thread `thread_id` (another thread's forward through the same layer is not ours)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if threading.get_ident() != thread_id:
+            return
         input_BTD = args[0] if args else kwargs["hidden_states"]
         output_BTD = output[0] if isinstance(output, tuple) else output
         captured[idx] = (input_BTD.detach(), output_BTD.detach())

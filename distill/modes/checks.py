@@ -2,7 +2,7 @@
 
 The allowed values of every choice are enums in ``distill.config`` (OmegaConf refuses
 anything else when the config is composed); what is left here needs more than one key
-or the world outside the config: the teacher's shape, the stage layout, /dev/shm, keys.
+or the world outside the config: the teacher's shape, the stage layout, /dev/shm, GPU placement, memory, keys.
 Every mode runs them before it starts, so this module stays light (no transformers):
 the broker's start must not pay for importing models.
 """
@@ -12,13 +12,15 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 
-from distill.config import Family, Mode
-from distill.model.location import model_shape
+from distill.config import Mode, Parallel, Trainable
+from distill.model.location import model_shape, read_config
+from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
-from distill.pipeline.slot import slot_stride
+from distill.train.sizing import DTYPE_BYTES, ModelShape, e2e_rank_floor, shm_bytes
 from distill.train.stages import max_positions, stage_layout
 from distill.train.transport import curve_config
 
@@ -31,6 +33,8 @@ def check_config(cfg: DictConfig) -> None:
     stages, batch_config = stage_layout(cfg, num_layers, hidden)
     if cfg.mode in (Mode.student, Mode.local):
         _check_shm(cfg, batch_config.nbytes(), max_positions(stages))
+    _check_devices(cfg)
+    _check_memory(cfg)
     if cfg.mode == Mode.eval:
         _check_eval(cfg)
     _check_auth(cfg)
@@ -67,15 +71,39 @@ def _check_quality_settings(cfg: DictConfig) -> None:
                          "set student.val_every_steps > 0, or patience=0")
     if student.max_tokens_per_stage is not None and student.max_tokens_per_stage < 1:
         raise ValueError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
+    _check_hybrid(cfg)
     e2e = student.e2e
     if e2e.steps <= 0:
         return
     if e2e.top_k < 1 or e2e.temperature <= 0:
         raise ValueError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
                          f"{e2e.temperature} > 0")
-    if not cfg.teacher.name_or_path and cfg.teacher.tiny.family != Family.llama:
-        raise ValueError("student.e2e.steps > 0 needs a teacher with an LM head; the tiny "
-                         f"{cfg.teacher.tiny.family} teacher has none: set student.e2e.steps=0")
+    if e2e.parallel == Parallel.fsdp and e2e.trainable == Trainable.lora:
+        raise ValueError("student.e2e.parallel=fsdp shards the trained weights, but LoRA adapters are "
+                         "small and merged into unsharded maps at the end: use student.e2e.parallel=ddp "
+                         "with trainable=lora, or trainable=replacements|all with fsdp")
+    if e2e.loss_chunk_tokens < 1:
+        raise ValueError(f"student.e2e.loss_chunk_tokens={e2e.loss_chunk_tokens} must be >= 1 (1024 is a good default)")
+
+
+def _check_hybrid(cfg: DictConfig) -> None:
+    """An automatic hybrid needs one budget, a scoring pass, and a layer left to convert."""
+    hybrid = cfg.student.hybrid
+    if hybrid.keep_softmax is not None and hybrid.max_gap is not None:
+        raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} and student.hybrid.max_gap="
+                         f"{hybrid.max_gap} are both set: choose one (the other null)")
+    if hybrid.keep_softmax is None and hybrid.max_gap is None:
+        return
+    if hybrid.steps < 1:
+        raise ValueError(f"student.hybrid.steps={hybrid.steps} must be >= 1 (the scoring pass trains each layer)")
+    if hybrid.max_gap is not None and hybrid.max_gap <= 0:
+        raise ValueError(f"student.hybrid.max_gap={hybrid.max_gap} must be > 0 (0.02 = within 2%)")
+    if hybrid.keep_softmax is not None:
+        candidates = len(set(cfg.student.layers)) if cfg.student.layers is not None else _teacher_shape(cfg)[0]
+        if not 0 <= hybrid.keep_softmax < candidates:
+            raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
+                             f"there are {candidates} candidate layers (student.layers) and at least one "
+                             "must be converted")
 
 
 def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
@@ -88,10 +116,77 @@ def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
 def _check_shm(cfg: DictConfig, sample_bytes: int, positions: int) -> None:
     pools_per_rank = max(1, cfg.student.loader_workers)
     ranks = cfg.local.num_students if cfg.mode == Mode.local else 1
-    need = slot_stride(sample_bytes) * cfg.pipeline.slot_count * pools_per_rank * ranks
+    need = shm_bytes(sample_bytes, cfg.pipeline.slot_count, cfg.student.loader_workers, ranks)
     check_shm_space(need, what=f"{ranks} rank(s) x {pools_per_rank} loader(s) x pipeline.slot_count="
                                f"{cfg.pipeline.slot_count} slots of {sample_bytes / 2**20:.1f} MiB "
                                f"({positions} hidden states per sample)")
+
+
+def _check_memory(cfg: DictConfig) -> None:
+    """Refuse a teacher that cannot fit the GPUs it is given, and a student rank whose memory
+    floor (``distill.train.sizing.e2e_rank_floor``) exceeds its device, naming the numbers.
+    Only for teachers with a config to read (the tiny demo teachers always fit)."""
+    if not cfg.teacher.name_or_path:
+        return
+    try:
+        shape = ModelShape.from_config(read_config(str(cfg.teacher.name_or_path)))
+    except (KeyError, TypeError, ValueError):
+        return  # a config we cannot size: nothing to estimate
+    teacher = shape.params * DTYPE_BYTES[cfg.teacher.dtype]
+    gpus = torch.cuda.device_count()
+    if cfg.mode in (Mode.worker, Mode.local) and worker_gpus(cfg) and gpus:
+        spread = worker_gpus(cfg)
+        room = min(torch.cuda.get_device_properties(g).total_memory for g in spread if g < gpus)
+        if teacher / len(spread) > room:
+            raise ValueError(
+                f"teacher.name_or_path={cfg.teacher.name_or_path} has {shape.params / 1e9:.1f}B parameters: "
+                f"{_gib(teacher)} in {cfg.teacher.dtype}, {_gib(teacher / len(spread))} per GPU over {list(spread)}, "
+                f"and a GPU there has {_gib(room)}: spread it over more GPUs (device.worker_gpus=[...], "
+                f"at least {-(-teacher // room)}) or lower teacher.dtype")
+    if cfg.mode in (Mode.student, Mode.local):
+        _check_student_floor(cfg, shape, gpus)
+
+
+def _check_student_floor(cfg: DictConfig, shape: ModelShape, gpus: int) -> None:
+    e2e = cfg.student.e2e
+    ranks = cfg.local.num_students if cfg.mode == Mode.local else 1
+    parts = e2e_rank_floor(shape, cfg.teacher.dtype, e2e.trainable, ranks, e2e.parallel == Parallel.fsdp,
+                           e2e.loss_chunk_tokens)
+    if e2e.steps <= 0:
+        parts = {"teacher": parts["teacher"]}
+    need = sum(parts.values())
+    if cfg.device.student_gpu and gpus:
+        gpu = int((cfg.device.get("student_gpus") or [0])[0])
+        room, where = torch.cuda.get_device_properties(min(gpu, gpus - 1)).total_memory, f"cuda:{gpu}"
+    else:
+        room, where = _available_ram() // ranks, f"this machine's free RAM / {ranks} rank(s)"
+    if need > room:
+        detail = " + ".join(f"{name} {_gib(value)}" for name, value in parts.items())
+        raise ValueError(f"each student rank needs at least {_gib(need)} ({detail}); {where} has {_gib(room)}: "
+                         "use more ranks with student.e2e.parallel=fsdp, student.e2e.trainable=replacements, "
+                         "a smaller student.e2e.loss_chunk_tokens, or bigger devices")
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _check_devices(cfg: DictConfig) -> None:
+    """GPUs that exist, a teacher spread over GPUs with accelerate installed, and (mode=local)
+    no GPU shared by a teacher worker and a student rank unless asked (``modes/placement.py``)."""
+    if cfg.device.get("worker_gpus") and importlib.util.find_spec("accelerate") is None:
+        raise ValueError(f"device.worker_gpus={list(cfg.device.worker_gpus)} spreads the teacher with "
+                         "transformers' device_map, which needs accelerate: pip install 'distill[sharded]'")
+    if cfg.mode == Mode.local:
+        plan_local(cfg, torch.cuda.device_count())
+    elif cfg.mode == Mode.worker and worker_gpus(cfg):
+        plan_local(OmegaConf.merge(cfg, {"device": {"student_gpu": False}}), torch.cuda.device_count())
 
 
 def _check_auth(cfg: DictConfig) -> None:

@@ -23,11 +23,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import zmq
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from distill.model.sources import teacher_source
+from distill.modes.placement import plan_local
 from distill.modes.process import configure_logging, die_with_parent, exit_on_sigterm, run_dir
 from distill.pipeline import protocol
 from distill.pipeline.auth import AuthError, CurveConfig, secure_client
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 TERMINATE_GRACE_S = 10.0
 OWN_KEYS = ("mode=", "run_id=", "pipeline.socket_dir=", "hydra.run.dir=", "hydra.output_subdir=",
-            "hydra.job.name=")
+            "hydra.job.name=", "device.student_gpus=")
 
 
 @dataclass
@@ -64,16 +66,21 @@ def run_local(cfg: DictConfig) -> None:
     source = teacher_source(cfg)  # builds the tiny teacher once, before any child needs it
     log.info("run %s: teacher %s, %d worker(s), %d student rank(s); run dir %s", run_id, source,
              cfg.local.num_workers, cfg.local.num_students, out)
+    placement = plan_local(cfg, torch.cuda.device_count())  # checked at start-up already
+    if placement.worker_gpus or placement.student_gpus:
+        log.info("placement: %s", placement.describe())
     socket_dir = _private_socket_dir(run_id)
     common = _child_overrides(run_id, socket_dir, out)
+    student_gpus = [f"device.student_gpus=[{','.join(map(str, placement.student_gpus))}]"] \
+        if placement.student_gpus else []
     children: list[Child] = []
     started = time.monotonic()
     try:
         children.append(_spawn("broker", ["mode=broker", *common, "hydra.job.name=broker"], out))
         for i in range(cfg.local.num_workers):
             children.append(_spawn(f"worker{i}", ["mode=worker", *common, f"hydra.job.name=worker{i}"], out))
-        children.append(_spawn("students", ["mode=student", *common, "hydra.job.name=student"], out,
-                               torchrun_ranks=cfg.local.num_students))
+        children.append(_spawn("students", ["mode=student", *common, *student_gpus, "hydra.job.name=student"],
+                               out, torchrun_ranks=cfg.local.num_students))
         _wait_for_students(children)
         _report_time_split(out, children[0], time.monotonic() - started, cfg.local.num_workers)
         log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)

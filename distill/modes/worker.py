@@ -12,11 +12,11 @@ import os
 
 from omegaconf import DictConfig
 
-from distill.model.sources import load_chunks, load_teacher, load_tokenizer
+from distill.model.sources import load_chunks, load_tokenizer, load_worker_teacher
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
 from distill.train.stages import stage_layout
-from distill.train.targets import TeacherTargets
+from distill.train.targets import TeacherTargets, sample_seed
 from distill.train.timing import TimedBatchFn, TimingWriter
 from distill.train.transport import worker_kwargs
 
@@ -25,11 +25,10 @@ log = logging.getLogger(__name__)
 
 def build_worker(cfg: DictConfig) -> Worker:
     """The teacher, its data and the Worker that serves them, as configured."""
-    device = f"cuda:{cfg.device.worker_gpu}" if cfg.device.worker_gpu is not None else "cpu"
-    teacher = load_teacher(cfg, device)
+    teacher = load_worker_teacher(cfg)
     chunks = load_chunks(cfg, load_tokenizer(cfg))
     _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
-    targets = TeacherTargets(teacher, chunks.train_NT, cfg.data.seed)
+    targets = TeacherTargets(teacher, chunks.train_NT, sample_seed(cfg))
     timed = TimedBatchFn(targets, copy_s=lambda: targets.to_slots.copy_s)
     return Worker(batch_fn=timed, batch_config=batch_config, **worker_kwargs(cfg))
 

@@ -8,20 +8,21 @@ nothing from the rest of distill.
 import logging
 
 from distill.pipeline.batch import DTYPES, BatchConfig, TensorSpec
-from distill.pipeline.broker import Broker
-from distill.pipeline.client import SampleRef, SlotPool, StudentClient
-from distill.pipeline.dataset import DistillIterableDataset
+from distill.pipeline.broker import Broker, BrokerConfig
+from distill.pipeline.client import SampleRef, StudentClient, StudentConfig
+from distill.pipeline.dataset import DatasetConfig, DistillIterableDataset
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.mediums import Medium, MediumBase, SharedMemoryManager, ShmSpaceError
+from distill.pipeline.pool import PoolConfig, SlotPool
 from distill.pipeline.protocol import PROTOCOL_VERSION, Command, ProtocolError
 from distill.pipeline.stats import BrokerStats
-from distill.pipeline.worker import SlotTarget, Worker
+from distill.pipeline.worker import SlotTarget, Worker, WorkerConfig
 
 __all__ = [
-    "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerStats", "Command",
-    "DistillIterableDataset", "Medium", "MediumBase", "ProtocolError", "SampleRef",
-    "SharedMemoryManager", "ShmSpaceError", "SlotPool", "SlotTarget", "StudentClient",
-    "TensorSpec", "Worker", "default_endpoint", "setup_logging",
+    "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerConfig", "BrokerStats", "Command", "DatasetConfig",
+    "DistillIterableDataset", "Medium", "MediumBase", "PoolConfig", "ProtocolError", "SampleRef",
+    "SharedMemoryManager", "ShmSpaceError", "SlotPool", "SlotTarget", "StudentClient", "StudentConfig",
+    "TensorSpec", "Worker", "WorkerConfig", "default_endpoint", "setup_logging",
 ]
 
 

@@ -31,16 +31,22 @@ without the extra copy a DataLoader's pin-memory thread makes. Fresh pinned batc
 come from torch's caching host allocator, which reuses a block only once the copies
 reading it have finished; that is why it cannot be combined with ``reuse_batches``.
 
-``with_meta=True`` adds int64 tensors ``generation``, ``request_id`` and ``source``
-(which pool filled it) to every sample, so a consumer can check or filter them.
+``with_meta=True`` adds int64 tensors ``generation``, ``request_id``, ``source`` (which
+pool filled it) and ``fill`` (the pool's consecutive number of that fill: request ids
+are random) to every sample, so a consumer can check or filter them.
+
+Every setting is a field of :class:`DatasetConfig`, given as ``config=`` and/or as the
+keyword arguments of the seed README (and the others above).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing.util
+import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,69 +54,97 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from distill.pipeline.auth import CurveConfig
 from distill.pipeline.batch import BatchConfig
-from distill.pipeline.client import DEFAULT_RUN, SlotPool
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
+from distill.pipeline.settings import merge
 
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 10.0
-META_KEYS = ("generation", "request_id", "source")
+META_KEYS = ("generation", "request_id", "source", "fill")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Every setting of a :class:`DistillIterableDataset` (the seed README's arguments first)."""
+
+    student_rank: int | None = None
+    slot_count: int | None = None
+    """Slots of each process's pool (the main process, or each DataLoader worker)."""
+    batch_config: BatchConfig | None = None
+    frontend_endpoint: str | None = None
+    max_retries: int = 10
+    retry_delay: float = 0.01
+    """How long one wait for a sample lasts (``max_retries x retry_delay`` seconds)."""
+    run_id: str = DEFAULT_RUN
+    batch_size: int | None = None
+    """None: one sample per item (the seed README's); B: ready-made batches (the fast path)."""
+    with_meta: bool = False
+    timeout_s: float | None = None
+    """Raise TimeoutError after this long without a sample (None: wait, warning now and then)."""
+    reuse_batches: bool = False
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS
+    medium: str = "shm"
+    """``shm`` (one machine) or ``tcp`` (workers elsewhere send the samples over TCP)."""
+    tcp_host: str | None = None
+    curve: CurveConfig | None = None
+    """Paths, not keys: each process that iterates reads (and checks) the keys itself."""
+    pin_memory: bool = False
+    notices: bool = True
+    """Let workers on this machine announce filled slots directly (``notices.py``)."""
+    notice_dir: str | os.PathLike | None = None
+    """Where the inbox for those notices goes (None: the default socket directory); the
+    workers must be given the same (``Worker(notice_dir=...)``)."""
+    direct_requests: bool = True
+    """Ask a slot's last local worker to fill it again, past the broker (needs ``notices``)."""
+    pending_deadline_s: float | None = None
+    """See :class:`~distill.pipeline.pool.PoolConfig`."""
+
+    def __post_init__(self) -> None:
+        missing = [name for name in ("student_rank", "slot_count", "batch_config") if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"DistillIterableDataset needs {', '.join(missing)} (the seed README's arguments)")
+        _check_pin_memory(self.pin_memory, self.batch_size, self.reuse_batches)
+        if self.reuse_batches and self.batch_size is None:
+            raise ValueError("reuse_batches=True needs batch_size=B (it reuses the batch tensors)")
 
 
 class DistillIterableDataset(IterableDataset):
     """Infinite stream of ``dict[str, Tensor]`` samples (or batches) from the workers."""
 
-    def __init__(self, student_rank: int, generation_value: Any, slot_count: int,
-                 batch_config: BatchConfig, frontend_endpoint: str | None = None,
-                 max_retries: int = 10, retry_delay: float = 0.01, *, run_id: str = DEFAULT_RUN,
-                 batch_size: int | None = None, with_meta: bool = False,
-                 timeout_s: float | None = None, reuse_batches: bool = False,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_liveness: int = HEARTBEAT_LIVENESS, medium: str = "shm",
-                 tcp_host: str | None = None, curve: CurveConfig | None = None,
-                 pin_memory: bool = False, notices: bool = True, notice_dir: str | None = None,
-                 direct_requests: bool = True) -> None:
+    def __init__(self, student_rank: int | None = None, generation_value: Any = None,
+                 slot_count: int | None = None, batch_config: BatchConfig | None = None,
+                 frontend_endpoint: str | None = None, max_retries: int | None = None,
+                 retry_delay: float | None = None, *, config: DatasetConfig | None = None,
+                 **options: Any) -> None:
         super().__init__()
-        _check_pin_memory(pin_memory, batch_size, reuse_batches)
-        if reuse_batches and batch_size is None:
-            raise ValueError("reuse_batches=True needs batch_size=B (it reuses the batch tensors)")
-        self.student_rank = student_rank
+        cfg = self.config = merge(DatasetConfig, config, {
+            "student_rank": student_rank, "slot_count": slot_count, "batch_config": batch_config,
+            "frontend_endpoint": frontend_endpoint, "max_retries": max_retries, "retry_delay": retry_delay,
+            **options}, "DistillIterableDataset")
+        if generation_value is None:
+            raise ValueError("DistillIterableDataset needs generation_value (StudentClient.generation_value)")
         self.generation_value = generation_value
-        self.slot_count = slot_count
-        self.batch_config = batch_config
-        self.frontend_endpoint = frontend_endpoint or default_endpoint("frontend")
-        self.max_retries = max_retries
-        self.retry_delay = retry_delay
-        self.run_id = run_id
-        self.batch_size = batch_size
-        self.with_meta = with_meta
-        self.timeout_s = timeout_s
-        self.reuse_batches = reuse_batches
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.heartbeat_liveness = heartbeat_liveness
-        self.medium = medium
-        """``shm`` (one machine) or ``tcp`` (workers elsewhere send the samples over TCP)."""
-        self.tcp_host = tcp_host
-        if curve is not None:
-            curve.client_keys()  # a bad key fails here, not later in every DataLoader worker
-        self.curve = curve
-        """Paths, not keys: each process that iterates reads (and checks) the keys itself."""
-        self.pin_memory = pin_memory
-        self.notices = notices
-        """Let workers on this machine announce filled slots directly (``notices.py``)."""
-        self.notice_dir = notice_dir
-        """Where the inbox for those notices goes (None: the default socket directory); the
-        workers must be given the same (``Worker(notice_dir=...)``)."""
-        self.direct_requests = direct_requests
-        """Ask a slot's last local worker to fill it again, past the broker (needs ``notices``)."""
+        self.frontend_endpoint = cfg.frontend_endpoint or default_endpoint("frontend")
+        if cfg.curve is not None:
+            cfg.curve.client_keys()  # a bad key fails here, not later in every DataLoader worker
+
+    # The settings the seed README names, as attributes (all of them: ``config``).
+    student_rank = property(lambda self: self.config.student_rank)
+    slot_count = property(lambda self: self.config.slot_count)
+    batch_config = property(lambda self: self.config.batch_config)
+    batch_size = property(lambda self: self.config.batch_size)
+    max_retries = property(lambda self: self.config.max_retries)
+    retry_delay = property(lambda self: self.config.retry_delay)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.reuse_batches and get_worker_info() is not None:
+        if self.config.reuse_batches and get_worker_info() is not None:
             raise ValueError("reuse_batches=True in a DataLoader worker: the worker hands each batch "
                              "to the training process through shared memory, and reusing it would "
                              "overwrite batches not yet consumed; use num_workers=0 or reuse_batches=False")
-        if self.pin_memory and get_worker_info() is not None:
+        if self.config.pin_memory and get_worker_info() is not None:
             raise ValueError("pin_memory=True in a DataLoader worker: pin in the training process instead "
                              "(DataLoader(pin_memory=True)), or use num_workers=0")
         pool = self._open_pool()
@@ -125,13 +159,14 @@ class DistillIterableDataset(IterableDataset):
 
     # ------------------------------------------------------------------ internals
     def _open_pool(self) -> SlotPool:
-        pool = SlotPool(self.frontend_endpoint, self.run_id, self.slot_count,
-                        self.batch_config.nbytes(), self._generation, self._note_generation,
-                        role=f"dataset{self.student_rank}",
-                        heartbeat_interval_s=self.heartbeat_interval_s,
-                        heartbeat_liveness=self.heartbeat_liveness, medium=self.medium,
-                        tcp_host=self.tcp_host, curve=self.curve, notices=self.notices,
-                        notice_dir=self.notice_dir, direct_requests=self.direct_requests)
+        cfg = self.config
+        pool = SlotPool(generation=self._generation, note_generation=self._note_generation, config=PoolConfig(
+            frontend_endpoint=self.frontend_endpoint, run_id=cfg.run_id, slot_count=cfg.slot_count,
+            payload_bytes=cfg.batch_config.nbytes(), role=f"dataset{cfg.student_rank}",
+            heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_liveness=cfg.heartbeat_liveness,
+            medium=cfg.medium, tcp_host=cfg.tcp_host, curve=cfg.curve, notices=cfg.notices,
+            notice_dir=cfg.notice_dir, direct_requests=cfg.direct_requests,
+            pending_deadline_s=cfg.pending_deadline_s))
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips
             # atexit and generator cleanup but runs these finalizers: unlink there.
@@ -166,8 +201,8 @@ class DistillIterableDataset(IterableDataset):
                 continue
             misses += 1
             now = time.monotonic()
-            if self.timeout_s is not None and now - started > self.timeout_s:
-                raise TimeoutError(f"no sample for {self.timeout_s:.0f}s from {self.frontend_endpoint}: "
+            if self.config.timeout_s is not None and now - started > self.config.timeout_s:
+                raise TimeoutError(f"no sample for {self.config.timeout_s:.0f}s from {self.frontend_endpoint}: "
                                    "are the broker and workers running, and was set_model called?")
             if now - last_warning > WARN_EVERY_S:
                 last_warning = now
@@ -179,25 +214,28 @@ class DistillIterableDataset(IterableDataset):
             slot, gen, req = self._next(pool)
             _, views = pool.slot_tensors(slot, self.batch_config)
             sample = {name: view.clone() for name, view in views.items()}
+            fill = pool.fill_number(slot)
             pool.release(slot)
-            if self.with_meta:
+            if self.config.with_meta:
                 sample.update(generation=torch.tensor(gen), request_id=torch.tensor(req),
-                              source=torch.tensor(pool.source_id))
+                              source=torch.tensor(pool.source_id), fill=torch.tensor(fill))
             yield sample
 
     def _new_batch(self) -> dict[str, torch.Tensor]:
-        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=self.pin_memory)
+        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=self.config.pin_memory)
                 for s in self.batch_config.specs}
 
     def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
-        reused = self._new_batch() if self.reuse_batches else None
+        reused = self._new_batch() if self.config.reuse_batches else None
         while True:
             batch = dict(reused) if reused is not None else self._new_batch()
-            gens, reqs, slots = [], [], []
+            gens, reqs, slots, fills = [], [], [], []
             while len(slots) < self.batch_size:
                 ready = self._next_many(pool, self.batch_size - len(slots))
                 chunk = [slot for slot, _, _ in ready]
                 pool.gather(chunk, self.batch_config, batch, len(slots))
+                if self.config.with_meta:
+                    fills += [pool.fill_number(slot) for slot in chunk]
                 pool.release_many(chunk)  # copied out: ask for the slots again at once
                 pool.flush()
                 slots += chunk
@@ -205,9 +243,9 @@ class DistillIterableDataset(IterableDataset):
                 reqs += [req for _, _, req in ready]
             if min(gens) < self._generation():  # the model moved on while we filled the batch
                 continue
-            if self.with_meta:
+            if self.config.with_meta:
                 batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs),
-                             source=torch.full((len(slots),), pool.source_id))
+                             source=torch.full((len(slots),), pool.source_id), fill=torch.tensor(fills))
             yield batch
 
 

@@ -10,6 +10,7 @@ answer that it has forgotten us. Either way the owner re-registers.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -188,3 +189,25 @@ def process_alive(token: str | None) -> bool | None:
         return None
     now = start_time(pid)
     return now is not None and now[0] == started and now[1] not in ("Z", "X")
+
+
+# --------------------------------------------------------------------------- writers
+_writers = itertools.count(1)
+
+
+def new_writer_id() -> int:
+    """A slot writer's id, as slot headers carry it (``slot.py``): the process id (bits
+    63..32), the low 16 bits of its start time (31..16: a recycled pid is told apart)
+    and a per-process counter (15..0: two workers in one process are two writers)."""
+    start = start_time(os.getpid())
+    ticks = 0 if start is None else start[0] & 0xFFFF
+    return (os.getpid() << 32) | (ticks << 16) | (next(_writers) & 0xFFFF or 1)
+
+
+def writer_alive(writer: int) -> bool | None:
+    """Whether the process of a writer id still runs (None: no such id, 0)."""
+    if writer <= 0:
+        return None
+    pid, ticks = writer >> 32, (writer >> 16) & 0xFFFF
+    now = start_time(pid) if 0 < pid < 2**31 else None
+    return now is not None and now[0] & 0xFFFF == ticks and now[1] not in ("Z", "X")

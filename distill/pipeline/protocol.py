@@ -23,7 +23,8 @@ Sockets and who sends what (S = student, W = worker, B = broker, L = leader):
                      B->L  MODEL_SET, STATS_REPLY, ERROR
     ControlPub PUB   B->*  MODEL, STOP    (topic frame = run id, or b"" for all)
     Data     PULL    W->S  DATA + one frame per slot   (network medium only, see
-                           ``mediums/tcp.py``; the broker never sees it)
+                           ``mediums/tcp.py``; the broker never sees it; a peer without
+                           the medium's key completes no handshake)
     Inbox    unix    W->S  COMPLETE, DECLINED: one datagram each (shared memory on
              dgram               the worker's machine, see ``notices.py``; DONE.notified
                                  names the segments whose filled slots need no COMPLETE)
@@ -59,7 +60,10 @@ requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
 slots you asked of this process directly"; the student quarantines those too and
 frees each when that worker's late answer to it (notice or DECLINED) comes.
 SET_MODEL carries the leader's epoch: a switch from an older epoch than the run has
-seen is refused.
+seen is refused. A switch also carries ``min_generation`` (the leader's newest generation
++ 1): the new model's generation is above both the run's and that, so a broker that
+restarted (and counts from 0 again) never gives a new model an older model's number; a
+restore (``restore_generation``) puts the leader's model back at its own number.
 
 Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
 (equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
@@ -76,6 +80,7 @@ would bypass the broker, which could then never share that run's samples).
 from __future__ import annotations
 
 import enum
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,13 +88,17 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
 notice naming a lane, and its slots, already done at the broker, would never complete.
 4: QUARANTINE.direct; a version-3 student would refuse it and keep waiting on the slots
-it asked of a silent worker directly)."""
+it asked of a silent worker directly.
+5: slot headers of version 2 (writer claims, ``slot.py``), segment headers, keyed data
+sockets (``mediums/tcp.py``) and SET_MODEL.min_generation; a version-4 worker's
+headers would be refused by every student, and a version-4 broker would refuse the
+leader's switches)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
@@ -98,6 +107,27 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_ITEMS_PER_MESSAGE = 65536
 MAX_STRING_CHARS = 255
 MAX_INT = 2**63 - 1
+# What unpacking a body may cost. msgpack builds every object of a body before we can
+# look at it, and the smallest objects cost the most per byte (an empty map: 1 byte on
+# the wire, 64 in memory), so a 4 MiB body of empty maps would cost ~290 MiB and 0.3 s
+# to refuse. Bodies are therefore capped per command (below), lengths by msgpack's
+# ``max_*_len``, and a large body stops unpacking at its MAX_CONTAINERS-th list or map.
+SMALL_BODY_BYTES = 64 * 1024
+"""Body of a command that carries no slot list (HELLO, READY, HEARTBEAT, BYE, STATS, ...)."""
+MAX_CFG_BYTES = 64 * 1024
+"""A ``model_cfg`` (and any other map field) as packed: what a run's model may weigh."""
+MAX_CFG_DEPTH = 32
+"""Nesting of a map field: deep enough for any config, shallow enough that comparing or
+packing two of them can never hit the interpreter's recursion limit."""
+MAX_CFG_NODES = 16_384
+"""Values (keys, items, leaves) in one ``model_cfg``."""
+MAX_CONTAINERS = MAX_ITEMS_PER_MESSAGE + MAX_CFG_NODES
+"""Lists and maps in one body: one per slot item, plus a model_cfg's."""
+MAX_MAPS = 2 * MAX_CFG_NODES
+"""Maps in one body (the dearest object per wire byte): a body, a model_cfg, STATS per run."""
+UNCOUNTED_BODY_BYTES = 4096
+"""Bodies up to this size are unpacked without counting (they cannot hold more than
+this many objects, a few hundred KiB at worst): the hot path stays as fast as before."""
 
 
 class Command(bytes, enum.Enum):
@@ -145,8 +175,9 @@ class Message:
 
 
 # --------------------------------------------------------------------------- schema
-# Each field: name -> kind. Kinds: "str", "int" (0..MAX_INT), "sint" (signed int),
-# "float", "bool", "dict" (msgpack map of plain values), "names" (a list of "str"),
+# Each field: name -> kind. Kinds: "str", "int" (0..MAX_INT), "bool", "dict" (a msgpack
+# map nested at most MAX_CFG_DEPTH deep, of at most MAX_CFG_NODES values: a model_cfg),
+# "map" (as "dict", of any number of values: the broker's statistics), "names" (a list of "str"),
 # or a list kind ("slots", "items", "failed", "done_slots") checked element-wise below.
 # A trailing "?" marks an optional field.
 
@@ -168,13 +199,13 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.QUARANTINE: {"slots": "slots", "process": "str?", "direct": "bool?"},
     Command.RELEASE: {"slots": "slots"},
     Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
-                        "restore_generation": "int?", "leader_epoch": "int", "peer_id": "str",
-                        "share_model": "bool?"},
+                        "restore_generation": "int?", "min_generation": "int?", "leader_epoch": "int",
+                        "peer_id": "str", "share_model": "bool?"},
     Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
     Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
     Command.STOP: {"run_id": "str?"},
     Command.STATS: {"run_id": "str?"},
-    Command.STATS_REPLY: {"stats": "dict"},
+    Command.STATS_REPLY: {"stats": "map"},
     Command.HEARTBEAT: {"peer_id": "str", "role": "str", "direct": "dict?", "interval_ms": "int?"},
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
@@ -184,6 +215,18 @@ SCHEMA: dict[Command, dict[str, str]] = {
                      "stride": "int", "slots": "slots"},
     Command.DECLINED: {"generation": "int", "slots": "slots", "reason": "str"},
 }
+
+
+_LIST_COMMANDS = frozenset({Command.REQUEST, Command.WORK, Command.DONE, Command.COMPLETE, Command.DISCARDED,
+                            Command.QUARANTINE, Command.RELEASE, Command.ERROR, Command.DATA, Command.DIRECT,
+                            Command.DECLINED, Command.STATS_REPLY})
+_CFG_COMMANDS = frozenset({Command.WELCOME, Command.SET_MODEL, Command.MODEL})
+MAX_BODY_BYTES: dict[Command, int] = {
+    command: MAX_MESSAGE_BYTES if command in _LIST_COMMANDS
+    else SMALL_BODY_BYTES + MAX_CFG_BYTES if command in _CFG_COMMANDS else SMALL_BODY_BYTES
+    for command in Command
+}
+"""Largest body :func:`decode` unpacks, per command (checked before unpacking)."""
 
 
 def encode(command: Command, body: dict[str, Any] | None = None) -> list[bytes]:
@@ -205,14 +248,77 @@ def decode(frames: list[bytes]) -> Message:
     command = _COMMANDS.get(bytes(raw_command))
     if command is None:
         raise ProtocolError(f"unknown command {bytes(raw_command[:32])!r}")
+    if len(raw_body) > MAX_BODY_BYTES[command]:
+        raise ProtocolError(f"{command.name}: a body of {len(raw_body)} bytes, over the protocol's "
+                            f"{MAX_BODY_BYTES[command]} for this command")
     try:
-        body = msgpack.unpackb(raw_body, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises many types on garbage
-        raise ProtocolError(f"{command.name}: body is not msgpack ({type(exc).__name__})") from None
+        body = _unpack(raw_body)
+    except _TooManyObjects:
+        raise ProtocolError(f"{command.name}: body holds more than {MAX_CONTAINERS} lists and maps, or more "
+                            f"than {MAX_MAPS} maps") from None
+    except Exception as exc:  # msgpack raises many types on garbage (and on its max_*_len)
+        raise ProtocolError(f"{command.name}: body is not msgpack within the protocol's bounds "
+                            f"({type(exc).__name__})") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"{command.name}: body must be a map, got {type(body).__name__}")
     _validate(command, body)
     return Message(command, body)
+
+
+class _TooManyObjects(Exception):
+    """Raised from msgpack's hooks to stop unpacking a body (see MAX_CONTAINERS)."""
+
+
+def _unpack(raw: bytes) -> Any:
+    """msgpack of one body, within the bounds above (see MAX_CONTAINERS).
+
+    A large body is unpacked with the cyclic garbage collector paused: the tens of
+    thousands of lists a REQUEST of many slots makes would otherwise set off collections
+    of the whole heap (14 ms instead of 1 for 8,192 slots in a process that imported torch).
+    """
+    if len(raw) <= UNCOUNTED_BODY_BYTES:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    left = [MAX_CONTAINERS, MAX_MAPS]
+
+    def count_list(obj: list) -> list:
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooManyObjects
+        return obj
+
+    def count_map(obj: dict) -> dict:
+        left[0] -= 1
+        left[1] -= 1
+        if left[0] < 0 or left[1] < 0:
+            raise _TooManyObjects
+        return obj
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, list_hook=count_list, object_hook=count_map,
+                               max_str_len=MAX_CFG_BYTES, max_bin_len=MAX_CFG_BYTES, max_ext_len=0,
+                               max_array_len=MAX_ITEMS_PER_MESSAGE, max_map_len=MAX_ITEMS_PER_MESSAGE)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def nested_within(value: Any, max_depth: int, max_nodes: int) -> bool:
+    """Whether a map or list nests at most ``max_depth`` deep and holds at most
+    ``max_nodes`` values (keys count), found without recursion."""
+    stack = [(value, 1)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return False
+        children = node.values() if type(node) is dict else node
+        nodes += len(node) * (2 if type(node) is dict else 1)
+        if nodes > max_nodes:
+            return False
+        stack.extend((child, depth + 1) for child in children if type(child) in (dict, list))
+    return True
 
 
 def _validate(command: Command, body: dict[str, Any], *, check_items: bool = True) -> None:
@@ -240,9 +346,13 @@ def _check_value(command: Command, key: str, kind: str, value: Any) -> None:
         _check_str(where, value)
     elif kind == "int":
         _check_int(where, value)
-    elif kind == "dict":
+    elif kind in ("dict", "map"):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be a map")
+        nodes = MAX_CFG_NODES if kind == "dict" else MAX_CONTAINERS
+        if not nested_within(value, MAX_CFG_DEPTH, nodes):
+            raise ProtocolError(f"{where} nests deeper than {MAX_CFG_DEPTH} levels or holds more than "
+                                f"{nodes} values")
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ProtocolError(f"{where} must be true or false")
@@ -370,7 +480,8 @@ _WELL_FORMED = {
 _QUICK_CHECKS = {
     "str": lambda v: type(v) is str and len(v) <= MAX_STRING_CHARS,
     "int": lambda v: type(v) is int and 0 <= v <= MAX_INT,
-    "dict": lambda v: type(v) is dict,
+    "dict": lambda v: type(v) is dict and nested_within(v, MAX_CFG_DEPTH, MAX_CFG_NODES),
+    "map": lambda v: type(v) is dict and nested_within(v, MAX_CFG_DEPTH, MAX_CONTAINERS),
     "bool": lambda v: type(v) is bool,
     "names": lambda v: type(v) is list and len(v) <= MAX_ITEMS_PER_MESSAGE
     and all(type(s) is str and len(s) <= MAX_STRING_CHARS for s in v),
@@ -401,16 +512,22 @@ BROKER_SNDHWM = 16_384
 """Broker, per peer. A student is owed at most one COMPLETE per slot it queued, so
 this must stay above the broker's ``max_queued_per_student``; past it the broker's
 ROUTER drops (what it drops is then ERRORs to a peer that floods and never reads)."""
-BROKER_RCVHWM = 1_000
-"""Broker, per peer: what a flooding peer can park in the broker's memory (the
-broker reads up to 1,000 messages of a socket per pass anyway)."""
+BROKER_RCVHWM = 16
+"""Broker, per peer: messages ZeroMQ holds for it before it stops reading from that peer
+(whose sends then wait). A peer has a few messages on their way at most (a worker one
+DONE per WORK it holds, a student one REQUEST per flush), so this only binds a flooder."""
+BROKER_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+"""Largest message the broker's sockets take (a REQUEST of MAX_ITEMS_PER_MESSAGE slots is
+1.25 MB); ZeroMQ drops the connection of a peer that sends a larger one. With
+BROKER_RCVHWM this bounds what one peer can park in the broker: 16 x 2 MiB."""
 
 
-def configure(sock: zmq.Socket, *, hwm: int = DEFAULT_HWM, rcvhwm: int | None = None) -> zmq.Socket:
+def configure(sock: zmq.Socket, *, hwm: int = DEFAULT_HWM, rcvhwm: int | None = None,
+              max_message_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
     """Socket options every pipeline socket gets: bounded size and queues (``hwm``
     for sending, ``rcvhwm`` for receiving, default ``hwm``), no linger on close."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
     return sock
@@ -426,7 +543,13 @@ _EVENTS = int(zmq.EVENTS)
 def send(sock: zmq.Socket, command: Command, body: dict[str, Any] | None = None, *,
          identity: bytes | None = None, topic: bytes | None = None) -> None:
     """Send one message; ``identity`` for ROUTER sockets, ``topic`` for PUB."""
-    frames = encode(command, body)
+    send_frames(sock, encode(command, body), identity=identity, topic=topic)
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes], *, identity: bytes | None = None,
+                topic: bytes | None = None) -> None:
+    """Send frames made by :func:`encode` (a sender that must know a message encodes
+    before it changes any state encodes first, then sends)."""
     prefix = [identity] if identity is not None else [topic] if topic is not None else []
     *first, last = prefix + frames
     for frame in first:

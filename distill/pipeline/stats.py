@@ -64,6 +64,15 @@ class BrokerStats:
     failed: int = 0
     refused: int = 0
     bad_messages: int = 0
+    """Messages refused: malformed, over a limit, or naming what is not the sender's."""
+    foreign: int = 0
+    """Of ``bad_messages``: naming another connection's peer id or medium (an impostor)."""
+    overdue: int = 0
+    """WORKs past their deadline (``work_timeout_s``): their worker was quarantined."""
+    errors: int = 0
+    """Messages whose handling raised (a bug, logged with the peer; the broker serves on)."""
+    throttled: int = 0
+    """Refusals answered without naming their slots (``limits.EchoBudget``)."""
     workers: int = 0
     students: int = 0
     runs: int = 0

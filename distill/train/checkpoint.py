@@ -1,13 +1,19 @@
 """Checkpoints: safetensors for tensors, JSON for everything else. No pickle.
 
+The same files whether a stage trained on one rank, with DDP or with FSDP2 (whose state is
+gathered to whole tensors for saving and cut back into shards on load, through
+``torch.distributed.checkpoint.state_dict``).
+
 Layout of ``<checkpoint_dir>``::
 
     progress.json                 finished stages, and the stage in progress
     stage_<s>/replacement.safetensors   final weights of a finished stage
     current/model.safetensors     replacement weights of the stage in progress
-    current/optimizer.safetensors optimizer tensors (flattened: state.<param>.<key>)
+    current/optimizer.safetensors optimizer tensors (flattened: state.<param>.<key>, param an
+                                  index, or the parameter's name after FSDP2)
+    current/best.safetensors      trainable weights at the stage's best validation so far
     current/state.json            stage, step, scheduler, optimizer param groups,
-                                  RNG states, resolved config
+                                  RNG states, resolved config, best validation
 
 Writes go to a temporary directory that is renamed into place, so a kill -9 at
 any moment leaves either the previous checkpoint or the new one, never half.
@@ -31,10 +37,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
 
 from distill.model.sources import teacher_source
 
 PROGRESS_FILE = "progress.json"
+BEST_FILE = "best.safetensors"
+GATHERED_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""A sharded module's state as one file holds it: whole tensors, on rank 0's CPU."""
+FULL_STATE = StateDictOptions(full_state_dict=True)
+"""Setting a sharded module's state from whole tensors that every rank has read."""
 
 FINGERPRINT_KEYS = ("teacher", "replacement", "data", "student")
 UNFINGERPRINTED_STUDENT_KEYS = ("loader_workers", "prefetch_batches", "log_every_steps", "checkpoint_every_steps")
@@ -76,12 +95,16 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def save_stage_weights(directory: Path, stage: int, module: nn.Module) -> Path:
+def save_stage_weights(directory: Path, stage: int, module: nn.Module, write: bool = True) -> Path:
+    """The final weights of a stage. Collective for a sharded (FSDP2) module: every rank
+    calls it, the one with ``write`` writes."""
     path = directory / f"stage_{stage}" / "replacement.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(_contiguous(module.state_dict()), str(tmp))
-    os.replace(tmp, path)
+    state = model_state(module)
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file(_contiguous(state), str(tmp))
+        os.replace(tmp, path)
     return path
 
 
@@ -91,12 +114,20 @@ def load_stage_weights(directory: Path, stage: int, module: nn.Module) -> None:
 
 def save_training_state(directory: Path, *, stage: int, step: int, module: nn.Module,
                         optimizer: torch.optim.Optimizer, scheduler: Any,
-                        extra: dict[str, Any]) -> None:
-    """Everything needed to continue a stage at ``step`` exactly."""
+                        extra: dict[str, Any], write: bool = True,
+                        best: dict[str, torch.Tensor] | None = None) -> None:
+    """Everything needed to continue a stage at ``step`` exactly (``best``: the trainable
+    weights of its best validation so far, see distill.train.validation.BestWeights).
+    Collective for a sharded (FSDP2) module: every rank calls it, the one with ``write`` writes."""
+    model_sd, optimizer_sd = model_state(module), optimizer_state(module, optimizer)
+    if not write:
+        return
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".current-", dir=directory))
-    save_file(_contiguous(module.state_dict()), str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    save_file(_contiguous(model_sd), str(tmp / "model.safetensors"))
+    if best:
+        save_file(_contiguous(best), str(tmp / BEST_FILE))
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer_sd)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -118,8 +149,14 @@ def load_training_state(directory: Path, *, module: nn.Module, optimizer: torch.
     """Restore what :func:`save_training_state` wrote; returns the state dict (stage, step, ...)."""
     current = directory / "current"
     state = json.loads((current / "state.json").read_text())
-    module.load_state_dict(load_file(str(current / "model.safetensors")))
-    _restore_optimizer(optimizer, load_file(str(current / "optimizer.safetensors")), state["optimizer"])
+    model_sd = load_file(str(current / "model.safetensors"))
+    optimizer_sd = _unflatten_optimizer(load_file(str(current / "optimizer.safetensors")), state["optimizer"])
+    if isinstance(module, FSDPModule):  # every rank read the full state; each keeps its shard
+        set_model_state_dict(module, model_sd, options=FULL_STATE)
+        set_optimizer_state_dict(module, optimizer, optimizer_sd, options=FULL_STATE)
+    else:
+        module.load_state_dict(model_sd)
+        optimizer.load_state_dict(optimizer_sd)
     scheduler.load_state_dict(state["scheduler"])
     rng = load_file(str(current / "rng.safetensors"))
     torch.set_rng_state(rng["torch"])
@@ -129,18 +166,52 @@ def load_training_state(directory: Path, *, module: nn.Module, optimizer: torch.
     return state
 
 
+def load_best_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The best-validation weights saved with the training state; empty if none were."""
+    path = directory / "current" / BEST_FILE
+    return load_file(str(path)) if path.exists() else {}
+
+
 def has_training_state(directory: Path, stage: int) -> bool:
     path = directory / "current" / "state.json"
     return path.exists() and json.loads(path.read_text()).get("stage") == stage
 
 
+def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s whole state dict; for a sharded (FSDP2) module gathered from every rank
+    (collective) onto rank 0's CPU, the others get ``{}``. Its names are the unwrapped
+    module's, so the files read the same whichever way the stage was trained."""
+    if isinstance(module, FSDPModule):
+        return get_model_state_dict(module, options=GATHERED_STATE)
+    return module.state_dict()
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict; for a sharded module gathered like :func:`model_state`
+    (then keyed by parameter name instead of index)."""
+    if isinstance(module, FSDPModule):
+        return get_optimizer_state_dict(module, optimizer, options=GATHERED_STATE)
+    return optimizer.state_dict()
+
+
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors wants contiguous, unshared storage."""
-    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    """safetensors wants contiguous, unshared storage: a tensor whose memory another entry
+    shares (tied embeddings) is cloned; the others are written as they are, so saving the
+    end-to-end stage does not make a second copy of the teacher it shares."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage().data_ptr()  # views of one storage count as shared too
+        shared = tensor.numel() > 0 and storage in seen
+        seen.add(storage)
+        out[name] = tensor.clone() if shared or not tensor.is_contiguous() else tensor
+    return out
 
 
-def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = optimizer.state_dict()
+def _flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+    """``state.<param>.<key>`` tensors (param: an index, or a name for a sharded module) and
+    the rest as JSON."""
     tensors, scalars = {}, {}
     for param_id, state in sd["state"].items():
         for key, value in state.items():
@@ -153,18 +224,24 @@ def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
-                       meta: dict) -> None:
-    state: dict[int, dict[str, Any]] = {}
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, Any]:
+    """The optimizer state dict :func:`_flatten_optimizer` wrote (the key is the last dotted
+    part: parameter names have dots, keys such as ``exp_avg`` have none)."""
+    state: dict[int | str, dict[str, Any]] = {}
     for name, value in tensors.items():
         if name == "_empty":
             continue
-        _, param_id, key = name.split(".", 2)
-        state.setdefault(int(param_id), {})[key] = value
+        param_id, key = name.removeprefix("state.").rsplit(".", 1)
+        state.setdefault(_param_key(param_id), {})[key] = value
     for name, value in meta["scalars"].items():
-        param_id, key = name.split(".", 1)
-        state.setdefault(int(param_id), {})[key] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        param_id, key = name.rsplit(".", 1)
+        state.setdefault(_param_key(param_id), {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _param_key(text: str) -> int | str:
+    """An optimizer's parameter key: an index (plain state dicts) or a parameter name (FSDP2)."""
+    return int(text) if text.isdigit() else text
 
 
 def _python_rng_state() -> list:

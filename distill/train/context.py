@@ -4,16 +4,19 @@ A rank's run has one context: its rank and device, the frozen teacher, the contr
 connection to the broker, the sample layout, the held-out chunks (leader only), where
 checkpoints and results go, and the stages to train. The collective helpers
 (:func:`barrier`, :func:`broadcast_int`) and the one wrap of a trained module for data
-parallelism (:func:`wrap_for_training`) live here, next to the process group they use.
+parallelism (:func:`wrap_for_training`: DDP, or FSDP2 for the end-to-end stage) live here,
+next to the process group they use.
 
 Shape legend: N chunks, T tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distill.config import Parallel
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.pipeline import BatchConfig, StudentClient
@@ -34,6 +40,8 @@ from distill.train.transport import control_client
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+FSDP_FORWARD_METHODS = ("final_hidden", "logits")
+"""Methods besides ``forward`` through which ranks run a sharded module (validation)."""
 
 
 @dataclass
@@ -51,6 +59,7 @@ class StudentContext:
     checkpoint_dir: Path
     out_dir: Path
     stages: list[Stage]
+    """The layer stages (with an automatic hybrid: its scoring pass until it has chosen)."""
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -91,7 +100,7 @@ def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if not torch.cuda.is_available():
             raise ValueError("device.student_gpu=true but CUDA is not available; set device=cpu")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", _student_gpu(cfg, local_rank))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -101,6 +110,18 @@ def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
+def _student_gpu(cfg: DictConfig, local_rank: int) -> int:
+    """``device.student_gpus[local_rank]`` (mode=local sets it to GPUs no teacher uses), else
+    ``local_rank``."""
+    gpus = cfg.device.get("student_gpus")
+    if not gpus:
+        return local_rank
+    if local_rank >= len(gpus):
+        raise ValueError(f"device.student_gpus={list(gpus)} has no GPU for local rank {local_rank}: "
+                         "list one per rank of this machine")
+    return int(gpus[local_rank])
+
+
 def close_context(ctx: StudentContext) -> None:
     """Close the control connection and leave the process group."""
     ctx.client.close()
@@ -108,12 +129,72 @@ def close_context(ctx: StudentContext) -> None:
         dist.destroy_process_group()
 
 
-def wrap_for_training(module: nn.Module, ctx: StudentContext) -> nn.Module:
-    """``module`` as the ranks train it together: DDP across ranks, itself on one rank."""
+def wrap_for_training(module: nn.Module, ctx: StudentContext, parallel: str = Parallel.ddp) -> nn.Module:
+    """``module`` as the ranks train it together: DDP or FSDP2 across ranks, itself on one rank.
+
+    ``fsdp`` shards (``fully_shard``) each of ``module.shard_units()`` and then the root, so
+    each rank keeps 1/world of the trained parameters, their gradients and optimizer state,
+    and all-gathers one unit at a time for compute. Frozen parameters are left out
+    (``ignored_params``): they are the rank's teacher, shared and never updated, so there
+    is nothing to shard or reduce (and sharding them would copy them). The module is
+    sharded in place: build its optimizer after this call. Forward methods other than
+    ``forward`` that ranks call (``final_hidden``, ``logits``) are registered with FSDP.
+    """
     if ctx.world_size == 1:
         return module
+    if parallel == Parallel.fsdp:
+        return _fully_shard(module, ctx)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DDP(module, device_ids=device_ids)
+
+
+def _fully_shard(module: nn.Module, ctx: StudentContext) -> nn.Module:
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    frozen = {p for p in module.parameters() if not p.requires_grad}
+    for unit in getattr(module, "shard_units", list)():
+        if any(p.requires_grad for p in unit.parameters()):
+            fully_shard(unit, mesh=mesh, ignored_params=frozen)
+    fully_shard(module, mesh=mesh, ignored_params=frozen)
+    for method in FSDP_FORWARD_METHODS:
+        if hasattr(module, method):
+            register_fsdp_forward_method(module, method)
+    return module
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 manages ``module``: its state is then gathered and set collectively."""
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Inside: backward reduces gradients across ranks only if ``sync`` (gradient accumulation
+    runs its first micro-batches without: DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``)."""
+    if sync:
+        yield
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def broadcast_chunks(chunks_NT: torch.Tensor, ctx: StudentContext) -> torch.Tensor:
+    """Rank 0's token chunks on every rank (held-out data that only the leader loads)."""
+    if ctx.world_size == 1:
+        return chunks_NT
+    rows = broadcast_int(len(chunks_NT), ctx)
+    device = ctx.device if ctx.device.type == "cuda" else "cpu"
+    tensor = chunks_NT.to(device) if ctx.leader else torch.empty(rows, ctx.cfg.data.seq_len, dtype=torch.long,
+                                                                  device=device)
+    dist.broadcast(tensor, src=0)
+    return tensor.cpu()
 
 
 def broadcast_int(value: int, ctx: StudentContext) -> int:
@@ -123,6 +204,17 @@ def broadcast_int(value: int, ctx: StudentContext) -> int:
     tensor = torch.tensor([value], dtype=torch.long, device=ctx.device if ctx.device.type == "cuda" else "cpu")
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
+
+
+def broadcast_ints(values: list[int], ctx: StudentContext) -> list[int]:
+    """Rank 0's list of ints on every rank (the others pass anything; its length travels first)."""
+    if ctx.world_size == 1:
+        return list(values)
+    count = broadcast_int(len(values), ctx)
+    device = ctx.device if ctx.device.type == "cuda" else "cpu"
+    tensor = torch.tensor(values if ctx.leader else [0] * count, dtype=torch.long, device=device)
+    dist.broadcast(tensor, src=0)
+    return [int(v) for v in tensor.tolist()]
 
 
 def barrier(ctx: StudentContext) -> None:

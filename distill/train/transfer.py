@@ -48,14 +48,21 @@ def _no_finish() -> None:
 
 
 class DeviceToSlots:
-    """Copies per-sample states from the teacher's device into slot views (see module doc)."""
+    """Copies per-sample states from the teacher's devices into slot views (see module doc).
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+    A teacher spread over several GPUs (a device map) hands over states that live on
+    different devices (each on its layer's GPU): each device's copies go on a side stream
+    of that device, and ``finish`` waits for all of them.
+    """
+
+    def __init__(self, device: torch.device | str | Sequence[torch.device | str]) -> None:
+        devices = [device] if isinstance(device, torch.device | str) else list(device)
+        self.devices = [torch.device(d) for d in devices]
+        self.device = self.devices[0]
+        self.cuda = any(d.type == "cuda" for d in self.devices)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staging: list[torch.Tensor | None] = [None] * STAGING_BUFFERS
-        self._events: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        self._events: list[list[torch.cuda.Event] | None] = [None] * STAGING_BUFFERS
         self._turn = 0
         self.copy_s = 0.0
         """Seconds the CPU spent writing slots (not waiting for the device): the transport's share."""
@@ -70,7 +77,7 @@ class DeviceToSlots:
         """
         if len(dests) == 0 or len(states) == 0:
             return _no_finish
-        if not self.cuda:
+        if not any(state.is_cuda for state in states):
             t0 = time.perf_counter()
             for i, dest in enumerate(dests):
                 for j, state_BTD in enumerate(states):
@@ -81,20 +88,25 @@ class DeviceToSlots:
         self._turn = (turn + 1) % STAGING_BUFFERS
         self._wait_free(turn)
         staging_PBTD = self._staging_for(turn, len(dests), states)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote the states
-        with torch.cuda.stream(stream):
-            for j, state_BTD in enumerate(states):
-                # contiguous pinned destination: a non-contiguous one would go through a
-                # pageable temporary and make the copy synchronous
-                staging_PBTD[j].copy_(state_BTD[:len(dests)], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        self._events[turn] = event
+        events = []
+        for device in sorted({state.device for state in states}, key=str):
+            stream = self._stream_of(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the forward wrote the states
+            with torch.cuda.stream(stream):
+                for j, state_BTD in enumerate(states):
+                    if state_BTD.device == device:
+                        # contiguous pinned destination: a non-contiguous one would go through a
+                        # pageable temporary and make the copy synchronous
+                        staging_PBTD[j].copy_(state_BTD[:len(dests)], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            events.append(event)
+        self._events[turn] = events
         kept = list(states)  # the allocator must not reuse them before the copy ran
 
         def finish() -> None:
-            event.synchronize()
+            for event in events:
+                event.synchronize()
             kept.clear()
             t0 = time.perf_counter()
             positions = staging_PBTD.shape[0]
@@ -105,12 +117,19 @@ class DeviceToSlots:
 
         return finish
 
+    def _stream_of(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream of one CUDA device (made on first use)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
     def _wait_free(self, turn: int) -> None:
         """Internal guard: a staging buffer whose previous copy was never finished."""
-        event = self._events[turn]
-        if event is not None:
+        events = self._events[turn]
+        if events is not None:
             log.debug("staging buffer %d still in use: waiting for its copy", turn)
-            event.synchronize()
+            for event in events:
+                event.synchronize()
 
     def _staging_for(self, turn: int, batch: int, states: Sequence[torch.Tensor]) -> torch.Tensor:
         """The pinned ``[P, B, T, D]`` staging buffer of ``turn`` (each ``[j, :B]`` contiguous),

@@ -92,8 +92,10 @@ def worker_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 
 def control_client(cfg: DictConfig, rank: int, batch_config: BatchConfig) -> StudentClient:
-    """A rank's control connection (stage switches, the leader's generation): it owns no
-    slots; each stage's samples come through :func:`stage_dataset`."""
+    """A rank's control connection (stage switches, the leader's generation). Its one slot (a
+    client needs a medium; one sample of shared memory, counted by
+    ``distill.train.sizing.shm_bytes``) is never asked for: each stage's samples come through
+    :func:`stage_dataset`."""
     eps = endpoints(cfg)
     return StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                          run_id=run_id(cfg), **_heartbeats(cfg), curve=curve_config(cfg),

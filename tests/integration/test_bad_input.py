@@ -11,7 +11,7 @@ import zmq
 from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.protocol import PROTOCOL_TAG, Command
-from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
+from distill.pipeline.slot import HEADER_BYTES, HeaderTable, check_slot, slot_stride
 from tests import peers
 
 GARBAGE = [
@@ -78,6 +78,7 @@ def test_worker_refuses_bad_addresses_and_never_writes_outside_its_slot(endpoint
     with SharedMemoryManager(slot_count=2, slot_stride=stride) as shm:
         canary = bytes(range(256)) * (stride // 256) + bytes(stride % 256)
         shm.slot_view(1)[:] = canary
+        HeaderTable(shm.slot_view(0), stride).ask([0], [6])  # the good item's fill, as its student asks
         backend.send_multipart([identity, PROTOCOL_TAG, b"WORK", b"\xc1"])
         _, err = _recv_skipping_heartbeats(backend)
         assert err.command is Command.ERROR and "msgpack" in err.body["reason"]

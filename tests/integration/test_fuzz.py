@@ -30,9 +30,11 @@ from distill.modes.stats import fetch_stats
 from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.notices import lane_path
-from distill.pipeline.protocol import Command, ProtocolError
-from distill.pipeline.slot import HEADER_BYTES, check_slot, slot_stride
+from distill.pipeline.protocol import PROTOCOL_TAG, Command, ProtocolError
+from distill.pipeline.slot import HEADER_BYTES, HeaderTable, check_slot, slot_stride
 from tests import peers
+from tests.fakes import FakeBroker
+from tests.hostile import deep_map, raw_body, request, set_model
 from tests.mutants import Mutator, Targets
 from tests.procfs import rss_bytes, shm_mappings, steady_growth
 
@@ -108,9 +110,11 @@ def test_broker_survives_fuzzing_on_every_socket(seed, procs, endpoints) -> None
                 sock.close(0)
 
 
-def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, endpoint: str, identity: str | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
     sock.connect(endpoint)
     return sock
 
@@ -185,6 +189,102 @@ def _normal_run(endpoints: dict[str, str], samples: int = 40) -> None:
             client.release_slot(ref.slot_id)
 
 
+# --------------------------------------------------------------------------- hostile shapes (issue 21)
+HOSTILE_ROUNDS = 2
+HOSTILE_PER_ROUND = 250
+HUGE_COUNTS = [100_000, 2**40, 2**62, 2**63 - 1]
+
+
+def _hostile_message(rng: random.Random, own: str, other: str, other_medium: str) -> tuple[str, list[bytes]]:
+    """One well-formed message whose content is hostile: huge counts, deep or huge
+    model_cfg, another connection's peer id or medium, slots and strides past the caps.
+    ``own``/``other``: the peer ids of this connection and of the other one."""
+    shape = rng.randrange(10)
+    huge = rng.choice(HUGE_COUNTS)
+    if shape == 0:
+        return "backend", protocol.encode(Command.READY, {"peer_id": own, "credit": huge, "max_batch": huge})
+    if shape == 1:
+        return "backend", protocol.encode(Command.DONE, {"peer_id": rng.choice([own, other]), "num_items": huge,
+                                                         "work_id": rng.randrange(1, 64), "failed": []})
+    if shape == 2:
+        depth = rng.choice([33, 100, 1000])
+        return "control", [PROTOCOL_TAG, Command.SET_MODEL.value, raw_body(
+            set_model(run_id=rng.choice(["fan-a", "fan-b"]), share_model=True), {"model_cfg": deep_map(depth)})]
+    if shape == 3:
+        cfg = rng.choice([{"x": list(range(20_000))}, {"x": "y" * 100_000}, {f"k{i}": i for i in range(9000)}])
+        return "control", protocol.encode(Command.SET_MODEL, set_model(run_id="fan-a", model_cfg=cfg)) \
+            if _encodable(cfg) else [PROTOCOL_TAG, Command.SET_MODEL.value,
+                                    raw_body(set_model(run_id="fan-a"), {"model_cfg": msgpack.packb(cfg)})]
+    if shape == 4:
+        return "frontend", protocol.encode(Command.REQUEST, request(own, other_medium, [[0, rng.randrange(2**40)]]))
+    if shape == 5:
+        slot_idx, stride = rng.choice([(2**40, 4160), (0, 2**62), (2**20, 4160), (1, 65), (0, 2**63 - 1)])
+        return "frontend", protocol.encode(Command.REQUEST, request(own, f"dst_hostile_{own[-1]}_1",
+                                                                    [[slot_idx, rng.randrange(2**40)]], stride=stride))
+    if shape == 6:
+        command = rng.choice([Command.HELLO, Command.BYE])
+        body = {"peer_id": other} | ({"run_id": "default"} if command is Command.HELLO else {})
+        return "frontend", protocol.encode(command, body)
+    if shape == 7:
+        return "backend", protocol.encode(Command.BYE, {"peer_id": other})
+    if shape == 9:  # slots in the fan-out runs whose model_cfg is hostile: dispatch compares them
+        run_id = rng.choice(["fan-a", "fan-b"])
+        return "frontend", protocol.encode(Command.REQUEST, request(
+            f"{own}-{run_id}", f"dst_hostile_{own[-1]}{run_id[-1]}_1", [[rng.randrange(64), rng.randrange(2**40)]],
+            run_id=run_id))
+    many = 65536 if rng.random() < 0.05 else 8192  # (the broker takes large messages at 10% of its time)
+    return "frontend", protocol.encode(Command.REQUEST, request(own, f"dst_hostile_{own[-1]}_1",
+                                                                [[i % 1024, rng.randrange(2**40)] for i in range(many)]))
+
+
+def _encodable(cfg: dict) -> bool:
+    try:
+        protocol.encode(Command.SET_MODEL, set_model(model_cfg=cfg))
+    except ProtocolError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_broker_survives_hostile_shapes_from_two_connections(seed, procs, endpoints) -> None:
+    """Each of two connections per socket registers a peer id and a medium, then sends
+    well-formed hostile messages naming its own and the other's: the broker refuses or caps
+    every one (no handler raises: STATS errors stays 0), stays within its memory, and
+    serves a normal run exactly afterwards."""
+    broker = procs.start(peers.run_broker, endpoints, name="broker")
+    procs.start(peers.run_worker, endpoints, name="worker")
+    rng = random.Random(seed)
+    ids = ["hostile-a", "hostile-b"]
+    socks = {name: [_dealer(zmq.Context.instance(), endpoints[name], identity) for identity in ids]
+             for name in BROKER_COMMANDS}
+    try:
+        for i, own in enumerate(ids):  # each binds its ids and its medium first
+            protocol.send(socks["frontend"][i], Command.REQUEST, request(own, f"dst_hostile_{own[-1]}_1", [[0, 1]]))
+            protocol.send(socks["backend"][i], Command.READY, {"peer_id": own, "credit": 4, "max_batch": 2})
+        rss = []
+        for _ in range(HOSTILE_ROUNDS):
+            for n in range(HOSTILE_PER_ROUND):
+                i = rng.randrange(2)
+                name, frames = _hostile_message(rng, ids[i], ids[1 - i], f"dst_hostile_{ids[1 - i][-1]}_1")
+                _send(socks[name][i], frames, broker, seed)
+                if n % BURST == BURST - 1:
+                    for dealers in socks.values():
+                        _drain_all(dealers)
+            _sync_broker(socks)
+            assert broker.is_alive(), f"broker died (exit code {broker.exitcode}); seed {seed}"
+            rss.append(rss_bytes(broker.pid))
+        stats = fetch_stats(endpoints["frontend"])
+        assert stats["errors"] == 0, f"a handler raised on a hostile message (seed {seed}): {stats}"
+        assert stats["foreign"] > 0 and stats["bad_messages"] > 0, stats
+        assert max(rss) - rss[0] < 64 * 2**20, f"broker grew {rss} (seed {seed})"
+        _normal_run(endpoints)
+        assert broker.is_alive()
+    finally:
+        for dealers in socks.values():
+            for sock in dealers:
+                sock.close(0)
+
+
 # --------------------------------------------------------------------------- worker
 @contextlib.contextmanager
 def _foreign_segments(size: int) -> Iterator[list[str]]:
@@ -205,51 +305,6 @@ def _foreign_segments(size: int) -> Iterator[list[str]]:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 _posixshmem.shm_unlink("/" + name)
-
-
-class FakeBroker:
-    """The backend ROUTER and PUB a real worker connects to, driven by the test."""
-
-    def __init__(self, endpoints: dict[str, str]) -> None:
-        ctx = zmq.Context.instance()
-        self.router = protocol.configure(ctx.socket(zmq.ROUTER))
-        self.router.bind(endpoints["backend"])
-        self.pub = protocol.configure(ctx.socket(zmq.PUB))
-        self.pub.bind(endpoints["control_pub"])
-        self.identity = b""
-        self.dones: dict[int, list] = {}
-
-    def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.identity:
-            assert self.router.poll(max(0.0, deadline - time.monotonic()) * 1000), "worker never said READY"
-            self._receive_one()
-
-    def drain(self) -> None:
-        while protocol.readable(self.router):
-            self._receive_one()
-
-    def wait_done(self, work_id: int, timeout_s: float = 60) -> list:
-        deadline = time.monotonic() + timeout_s
-        while work_id not in self.dones:
-            assert self.router.poll(max(0.0, deadline - time.monotonic()) * 1000), f"no DONE for {work_id}"
-            self._receive_one()
-        return self.dones.pop(work_id)
-
-    def _receive_one(self) -> None:
-        identity, msg = protocol.recv_routed(self.router)
-        assert not isinstance(msg, ProtocolError), f"worker sent garbage: {msg}"
-        if msg.command is Command.HEARTBEAT:
-            protocol.send(self.router, Command.HEARTBEAT, {"peer_id": "fake", "role": "broker"},
-                          identity=identity)
-        elif msg.command is Command.READY:
-            self.identity = identity
-        elif msg.command is Command.DONE and msg.body["work_id"] >= MARKER_WORK_ID:
-            self.dones[msg.body["work_id"]] = msg.body["failed"]
-
-    def close(self) -> None:
-        self.router.close(0)
-        self.pub.close(0)
 
 
 def _allowed_writes(frames: list[bytes], medium: str, size: int, payload_bytes: int,
@@ -273,7 +328,7 @@ def test_worker_survives_fuzzing_and_writes_only_inside_given_slots(seed, procs,
     config = peers.batch_config()
     stride = slot_stride(config.nbytes())
     size = SLOT_COUNT * stride
-    fake = FakeBroker(endpoints)
+    fake = FakeBroker(endpoints, record=lambda work_id: work_id >= MARKER_WORK_ID)
     worker = procs.start(peers.run_worker, endpoints, name="worker")
     with SharedMemoryManager(slot_count=SLOT_COUNT, slot_stride=stride) as shm, \
             _foreign_segments(size) as foreign:
@@ -329,6 +384,7 @@ def _fuzz_worker_round(fake: FakeBroker, mutator: Mutator, broadcasts: Mutator, 
 
 def _worker_normal_run(fake: FakeBroker, shm: SharedMemoryManager, payload_bytes: int, stride: int) -> None:
     items = [[shm.buf_name, slot_idx, stride, 1000 + slot_idx] for slot_idx in range(SLOT_COUNT)]
+    HeaderTable(shm.buf, stride).ask(list(range(SLOT_COUNT)), [1000 + slot_idx for slot_idx in range(SLOT_COUNT)])
     protocol.send(fake.router, Command.WORK, {"work_id": MARKER_WORK_ID + 100, "run_id": "final", "generation": 1,
                                               "model_id": "m", "items": items}, identity=fake.identity)
     assert fake.wait_done(MARKER_WORK_ID + 100) == []
@@ -412,3 +468,106 @@ def test_set_model_past_the_largest_generation_is_refused_and_the_broker_keeps_s
         control.close(0)
         worker.stop()
         broker.stop()
+
+
+# --------------------------------------------------------------------------- datagrams and generations (issue 21)
+INBOX_DATAGRAMS = 3_000
+WILD_GENERATIONS = [2**62, 2**63 - 1, 2**63 - 2, 2**32, 0]
+
+
+@pytest.mark.timeout(120)
+def test_a_student_survives_fuzzed_datagrams_and_no_generation_moves(seed, procs, endpoints) -> None:
+    """Mutated COMPLETE and DECLINED datagrams (wild generations, the student's own slots
+    and pending request ids, foreign slots, garbage) at a live student's inbox while it is
+    served: its generation never moves, every sample it yields is exact and yielded
+    once, its slots stay consistent, and a switch afterwards is the next generation."""
+    procs.start(peers.run_broker, endpoints, name="broker")
+    procs.start(peers.run_worker, endpoints, name="worker")
+    rng = random.Random(seed)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setblocking(False)  # a full inbox drops the datagram: the student reads between samples
+    try:
+        with StudentClient(0, 8, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"], heartbeat_interval_s=0.2) as client:
+            client.hello()
+            generation = client.set_model("fuzzed-inbox")
+            seen = peers.consume_verified(client, generation, 20)
+            pool = client._pool
+            mutator = Mutator(seed, Targets(slot_count=8), [Command.COMPLETE, Command.DECLINED])
+            inbox = os.fspath(pool._inbox.path)
+            for i in range(INBOX_DATAGRAMS):
+                frames = mutator.message()
+                msg = _decodable(frames)
+                aimable = msg is not None and msg.command in (Command.COMPLETE, Command.DECLINED)
+                if aimable and rng.random() < 0.5:  # aim at what the student waits for
+                    pending = [[r.idx, r.request_id] for r in pool.slots.records if r.request_id]
+                    body = dict(msg.body, generation=rng.choice(WILD_GENERATIONS + [generation]))
+                    if pending:
+                        body["slots"] = [row + ([True] if msg.command is Command.COMPLETE else [])
+                                         for row in rng.sample(pending, rng.randint(1, len(pending)))]
+                    frames = protocol.encode(msg.command, body)
+                datagram = (rng.randbytes(rng.randrange(64)) if i % 10 == 0
+                            else msgpack.packb(frames, use_bin_type=True))
+                with contextlib.suppress(BlockingIOError):
+                    sender.sendto(datagram, inbox)
+                if i % 8 == 0:  # the inbox holds about 10 datagrams: let the student read them
+                    seen = peers.consume_verified(client, generation, len(seen) + 1, seen=seen)
+                    assert client.generation == generation, f"a datagram moved the generation (seed {seed})"
+            peers.consume_verified(client, generation, len(seen) + 100, seen=seen)
+            assert client.generation == generation
+            assert not pool.slots.check(), pool.slots.check()
+            assert client.set_model("after") == generation + 1
+    finally:
+        sender.close()
+
+
+def _decodable(frames: list[bytes]) -> protocol.Message | None:
+    try:
+        return protocol.decode(frames)
+    except ProtocolError:
+        return None
+
+
+GEOMETRY_ROUNDS = 2_000
+FILL = 17
+"""The request id every slot of the target segment waits for (one the mutator uses):
+only the geometry stands between a fuzzed item and the slot."""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_writes_only_at_the_geometry_its_segment_declares(seed, procs, endpoints) -> None:
+    """WORK of fuzzed strides and slot indices, aimed at a real segment whose every slot
+    waits for the fill the items name (so a claim would pass): the worker writes only
+    the slots the segment's own header describes, at its stride."""
+    config = peers.batch_config()
+    stride = slot_stride(config.nbytes())
+    fake = FakeBroker(endpoints, record=lambda work_id: work_id >= MARKER_WORK_ID)
+    procs.start(peers.run_worker, endpoints, name="worker")
+    rng = random.Random(seed)
+    with SharedMemoryManager(SLOT_COUNT, stride, run_id="geom", payload_bytes=config.nbytes()) as shm:
+        size = SLOT_COUNT * stride
+        table = HeaderTable(shm.buf, stride)
+        try:
+            fake.wait_ready()
+            for round_idx in range(GEOMETRY_ROUNDS // 100):
+                canary = rng.randbytes(size)
+                shm.buf[:size] = canary
+                table.ask(list(range(SLOT_COUNT)), [FILL] * SLOT_COUNT)
+                before = bytes(shm.buf)
+                allowed = bytearray(size)
+                items = []
+                for _ in range(100):
+                    slot_idx = rng.choice([0, 1, SLOT_COUNT - 1, SLOT_COUNT, 2**31, rng.randrange(SLOT_COUNT)])
+                    item_stride = rng.choice([stride, stride + 64, stride - 64, 2 * stride, stride * SLOT_COUNT,
+                                              64, 2**40])
+                    items.append([shm.buf_name, slot_idx, item_stride, FILL])
+                    if item_stride == stride and slot_idx < SLOT_COUNT:
+                        start = slot_idx * stride
+                        allowed[start:start + HEADER_BYTES + config.nbytes()] = b"\x01" * (HEADER_BYTES + config.nbytes())
+                fake.work(MARKER_WORK_ID + round_idx, items, generation=1)
+                fake.wait_done(MARKER_WORK_ID + round_idx)
+                after = bytes(shm.buf)
+                outside = [i for i in range(size) if not allowed[i] and after[i] != before[i]]
+                assert not outside, f"wrote {len(outside)} bytes outside the declared geometry (seed {seed})"
+        finally:
+            fake.close()

@@ -15,6 +15,7 @@ import torch
 from distill.pipeline import Broker, StudentClient, Worker
 from distill.pipeline.liveness import process_token
 from distill.pipeline.notices import lane_path
+from distill.pipeline.slots import Route, SlotState
 from tests import peers
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,6 +32,11 @@ def _worker(endpoints: dict[str, str], batch_fn=peers.fill_targets, **kwargs: ob
     return Worker(batch_fn=batch_fn, batch_config=peers.batch_config(), max_batch=4,
                   backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
                   heartbeat_interval_s=0.2, **kwargs).start()
+
+
+def _direct_holders(pool) -> list[str]:
+    """Process tokens of the workers holding the pool's PENDING slots by DIRECT."""
+    return [r.holder for r in pool.slots.records if r.state is SlotState.PENDING and r.route is Route.DIRECT]
 
 
 def _wait_for(predicate, timeout_s: float = 10.0) -> None:
@@ -130,24 +136,25 @@ def test_a_killed_worker_s_direct_slots_go_to_the_broker(procs, endpoints, broke
         os.kill(doomed.pid, signal.SIGSTOP)
         procs.start(peers.run_worker, endpoints, name="survivor")
         deadline = time.monotonic() + 20
-        while token not in client._pool._direct.values():  # it holds DIRECTs it will never fill
+        while token not in _direct_holders(client._pool):  # it holds DIRECTs it will never fill
             assert time.monotonic() < deadline, "no DIRECT went to the frozen worker"
             _take(client, generation, seen, 1)
         os.kill(doomed.pid, signal.SIGKILL)
         slots = _take(client, generation, seen, 300)
-        held = [slot for slot, process in client._pool._direct.items() if process == token]
+        held = [holder for holder in _direct_holders(client._pool) if holder == token]
+        assert not client._pool.slots.check()
     broker.stop()
     assert held == []
     assert set(slots) == set(range(8))
 
 
-def test_a_frozen_worker_s_direct_slots_are_quarantined_until_it_answers_late(procs, endpoints,
-                                                                             broker_kwargs) -> None:
+def test_a_frozen_worker_s_direct_slots_are_asked_again_and_its_late_answers_change_nothing(
+        procs, endpoints, broker_kwargs) -> None:
     """Two workers; one is frozen while it holds DIRECT requests and stays frozen. Once
-    the broker gives up on it, the student quarantines those slots (the worker may
-    still write them) and the other worker fills their request ids in other slots: no
-    sample waits for the frozen worker. Thawed, it answers late, which brings the slots
-    back into use; no request id is ever yielded twice."""
+    the broker gives up on it, the student asks again for what it held but never claimed
+    (the frozen worker will find other fills in those slots and write nothing): no
+    sample waits for the frozen worker. Thawed, it answers late, and that changes
+    nothing; no request id is ever yielded twice and every slot stays in use."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     frozen = procs.start(peers.run_worker, endpoints, max_batch=2, name="frozen")
     procs.start(peers.run_worker, endpoints, max_batch=2, name="other")
@@ -158,27 +165,33 @@ def test_a_frozen_worker_s_direct_slots_are_quarantined_until_it_answers_late(pr
         seen: set[int] = set()
         _take(client, generation, seen, 40)
         token = process_token(frozen.pid)
-        lanes = [lane[1] for lane in pool._lanes.values()]
+        lanes = [record.lane[1] for record in pool.slots.records if record.lane is not None]
         assert 0 < lanes.count(token) < 8, "the slots were not split between the workers"
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 20
-            while not pool._late:  # slots quarantined for what the silent worker holds by DIRECT
-                assert time.monotonic() < deadline, "the silent worker's DIRECT slots were never quarantined"
+            while token not in _direct_holders(pool):  # it holds DIRECTs it will not fill
+                assert time.monotonic() < deadline, "no DIRECT went to the frozen worker"
                 _take(client, generation, seen, 1)
-            asked = {req for slot, req in pool._late.items() if pool._quarantined[slot] == token}
-            assert asked and token not in pool._direct.values()
+            asked = {r.request_id for r in pool.slots.records
+                     if r.route is Route.DIRECT and r.holder == token and r.state is SlotState.PENDING}
             deadline = time.monotonic() + 20
-            while not asked <= seen:  # their samples come from the other worker, in other slots
+            while token in _direct_holders(pool):  # the broker gave up on it: the student asks again
+                assert time.monotonic() < deadline, "the silent worker's DIRECT slots were never asked again"
+                _take(client, generation, seen, 1)
+            deadline = time.monotonic() + 20
+            while not asked <= seen:  # their samples come from the other worker
                 assert time.monotonic() < deadline, f"never delivered: {sorted(asked - seen)}"
                 _take(client, generation, seen, 1)
+            assert pool.counts["quarantined"] == 0  # it never claimed them: nothing to wait for
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         slots: set[int] = set()
         deadline = time.monotonic() + 20
-        while pool._quarantined or slots != set(range(8)):  # its late answers free them
-            assert time.monotonic() < deadline, f"still quarantined: {pool._quarantined}; in use: {sorted(slots)}"
+        while slots != set(range(8)):  # its late answers leave every slot in use
+            assert time.monotonic() < deadline, f"in use: {sorted(slots)}"
             slots.update(_take(client, generation, seen, 10))
+        assert not pool.slots.check()
     broker.stop()
 
 

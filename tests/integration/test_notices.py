@@ -27,6 +27,7 @@ from distill.pipeline.notices import (
     sweep_inboxes,
 )
 from distill.pipeline.protocol import Command
+from distill.pipeline.slots import SlotState
 from tests import peers
 
 pytestmark = pytest.mark.timeout(120)
@@ -171,7 +172,7 @@ def test_bad_notices_are_ignored_and_forged_ones_do_not_release_a_slot(procs, en
         generation = client.set_model("forged")
         assert client.request_sample(timeout_ms=200) is None  # no worker yet: both slots pending
         pool = client._pool
-        pending = dict(pool._pending)
+        pending = _pending(pool)
         assert len(pending) == 2
         slot, request_id = next(iter(pending.items()))
         garbage = [
@@ -189,12 +190,18 @@ def test_bad_notices_are_ignored_and_forged_ones_do_not_release_a_slot(procs, en
         sender.close()
         assert client.request_sample(timeout_ms=500) is None  # nothing delivered
         assert pool.counts["notices"] == 3 and pool.counts["rejected"] == 3
-        assert pool._pending == pending  # not asked for again: a worker may be on its way
+        assert _pending(pool) == pending  # not asked for again: a worker may be on its way
+        assert not pool.slots.check()
         assert broker.stats.requested == 2
         _worker_process(procs, endpoints)
         seen = peers.consume_verified(client, generation, 200)
     broker.stop()
     assert request_id in seen  # the slot the forgery named was filled and delivered once
+
+
+def _pending(pool) -> dict[int, int]:
+    """slot -> request id of the pool's PENDING slots."""
+    return {r.idx: r.request_id for r in pool.slots.in_state(SlotState.PENDING)}
 
 
 def test_the_inbox_is_private_and_cleaned_up(tmp_path) -> None:

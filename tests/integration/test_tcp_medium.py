@@ -10,7 +10,7 @@ import torch
 import zmq
 
 from distill.pipeline import Broker, DistillIterableDataset, StudentClient, protocol
-from distill.pipeline.mediums.tcp import parse_medium
+from distill.pipeline.mediums.tcp import PLAIN_USER, parse_medium, plain_password
 from tests import peers
 
 LOOPBACK = "127.0.0.1"
@@ -81,8 +81,9 @@ def test_a_dataset_on_the_network_medium_yields_exact_batches(procs, endpoints, 
 
 @pytest.mark.timeout(90)
 def test_forged_and_malformed_data_is_dropped(procs, endpoints, broker_kwargs) -> None:
-    """Whoever reaches the data socket cannot write outside a slot, or into a slot
-    that does not wait for exactly that request, or stop the student."""
+    """A peer without the medium's key is not heard at all; one with it (a buggy worker)
+    cannot write outside a slot, or into a slot that does not wait for exactly that
+    request, or stop the student."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     procs.start(peers.run_worker, endpoints, name="remote", local_shm=False)
     with _client(endpoints) as client:
@@ -90,9 +91,13 @@ def test_forged_and_malformed_data_is_dropped(procs, endpoints, broker_kwargs) -
         generation = client.set_model("m")
         medium = client._pool.medium
         stride = medium.slot_stride
+        address = parse_medium(medium.buf_name)
         ctx = zmq.Context.instance()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(parse_medium(medium.buf_name).endpoint)
+        stranger = ctx.socket(zmq.PUSH)
+        stranger.connect(address.endpoint)
+        keyed = ctx.socket(zmq.PUSH)
+        keyed.plain_username, keyed.plain_password = PLAIN_USER.encode(), plain_password(address.data_key)
+        keyed.connect(address.endpoint)
         junk = bytes(stride)
         forged = [
             protocol.encode_data(generation, stride, [[10_000, 1]], [memoryview(junk)]),  # no such slot
@@ -103,8 +108,10 @@ def test_forged_and_malformed_data_is_dropped(procs, endpoints, broker_kwargs) -
             [b"garbage"],
         ]
         for frames in forged:
-            push.send_multipart(frames)
+            stranger.send_multipart(frames)
+            keyed.send_multipart(frames)
         peers.consume_verified(client, generation, 200)
-        assert medium.counts["dropped"] >= len(forged)
-        push.close(linger=0)
+        assert medium.counts["dropped"] == len(forged)  # the keyed peer's, each once; the stranger's never came
+        stranger.close(linger=0)
+        keyed.close(linger=0)
     broker.stop()

@@ -1,20 +1,32 @@
 """POSIX shared memory: the default medium (students and workers on one machine).
 
-A student creates one segment of ``slot_count * slot_stride`` bytes; workers map it
-by name and write samples straight into its slots.
+A student creates one segment of ``slot_count * slot_stride`` bytes of slots followed
+by a 64-byte segment header (``slot.py``: the slots' geometry, the sample size, a
+random nonce); workers map it by name and write samples straight into its slots,
+taking the geometry from that header, never from a request.
 
 Ownership and hygiene:
 
 - Segments are named ``dst_<run>_<pid>_<n>`` so a worker can refuse names that are
   not ours, and are created 0600 (private to the user) with ``O_EXCL``.
+- The creator takes an ``flock`` on the segment the moment it exists and holds it for
+  the segment's whole life. The kernel drops it when the owner dies, however it dies,
+  so :func:`sweep_orphans` can tell a leftover segment (lock free) from a live one
+  (lock held, even while its space is still being reserved) without trusting pids.
+- The sweep touches only regular files of this user (opened ``O_NOFOLLOW |
+  O_NONBLOCK``, checked with ``fstat`` before anything else): a FIFO, a symlink, a
+  directory or another user's file named like ours is left alone, and cannot block
+  or fail the process that sweeps.
 - The space is reserved up front (``posix_fallocate``): a full ``/dev/shm`` gives a
   clear error at creation instead of a SIGBUS on first touch.
-- The owner holds an ``flock`` on the segment for its whole life. The kernel drops
-  it when the owner dies, however it dies, so :func:`sweep_orphans` can tell a
-  leftover segment (lock free) from a live one (lock held) without trusting pids.
-- Only the owner unlinks (on ``close``, context exit, interpreter exit). Nothing
-  here registers with ``multiprocessing.resource_tracker``: attaching processes
-  neither unlink nor warn about segments they do not own.
+- Only the creating *process* unlinks (on ``close``, context exit, interpreter exit):
+  a forked child that inherited the object never does. Nothing here registers with
+  ``multiprocessing.resource_tracker``: attaching processes neither unlink nor warn
+  about segments they do not own.
+- An attached segment keeps its file open, so :meth:`AttachedSegment.current` can tell
+  when the name no longer refers to the mapped file (the owner unlinked it, maybe
+  while a new owner of the same name created another): a stale mapping is never
+  written.
 """
 
 from __future__ import annotations
@@ -32,15 +44,26 @@ import secrets
 import stat
 import time
 import weakref
+from dataclasses import dataclass
 
 from distill.pipeline.mediums.base import MediumBase
 from distill.pipeline.notices import sweep_inboxes
+from distill.pipeline.slot import (
+    SEGMENT_HEADER_BYTES,
+    SegmentHeader,
+    read_segment_header,
+    segment_bytes,
+    set_max_claims,
+    write_segment_header,
+)
 
 log = logging.getLogger(__name__)
 
 SHM_PREFIX = "dst_"
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^dst_[A-Za-z0-9]{1,16}_\d{1,10}_\d{1,10}$")
+_OPEN_SAFELY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_ATTEMPTS = 8
 _counter = itertools.count()
 
 
@@ -87,30 +110,40 @@ class SharedMemoryManager(MediumBase):
 
     ``read_only=True`` creates and owns the segment (the seed README's naming: the
     student only reads it); ``read_only=False`` attaches to an existing one by
-    ``name`` (workers write into it).
+    ``name`` (workers write into it), whose segment header must describe exactly
+    ``slot_count`` slots of ``slot_stride`` bytes. ``payload_bytes`` (owner) declares
+    the sample size, so workers that make samples of another size refuse at once.
     """
 
     def __init__(self, slot_count: int, slot_stride: int, read_only: bool = True,
-                 run_id: str | None = None, name: str | None = None) -> None:
+                 run_id: str | None = None, name: str | None = None, *, payload_bytes: int = 0) -> None:
         if slot_count <= 0 or slot_stride <= 0:
             raise ValueError(f"slot_count ({slot_count}) and slot_stride ({slot_stride}) must be > 0")
         self._slot_count = slot_count
         self._slot_stride = slot_stride
         self.owner = read_only
         self.run_id = run_id or new_run_id()
-        size = slot_count * slot_stride
         if self.owner:
-            self._name = name or segment_name(self.run_id)
-            self._fd, self._mmap = _create(self._name, size)
-            self._finalizer = weakref.finalize(self, _release, self._mmap, self._fd, self._name, True)
+            self._name, self._fd, self._mmap = _create(name, self.run_id, segment_bytes(slot_count, slot_stride))
+            self._creator_pid = os.getpid()
+            self.header = SegmentHeader(slot_count, slot_stride, payload_bytes, 0, self._creator_pid,
+                                        secrets.token_bytes(16))
+            write_segment_header(memoryview(self._mmap), self.header)
+            self._finalizer = weakref.finalize(self, _release, self._mmap, self._fd, self._name,
+                                               self._creator_pid)
         else:
             if name is None:
                 raise ValueError("attaching to shared memory needs the segment's name (name=...)")
-            self._name = name
-            self._fd = -1
-            self._mmap = attach_segment(name, size)
-            self._finalizer = weakref.finalize(self, _release, self._mmap, -1, name, False)
-        self._buf = memoryview(self._mmap)
+            attached = attach_segment(name)
+            if (attached.header.slot_count, attached.header.stride) != (slot_count, slot_stride):
+                attached.close()
+                raise ValueError(f"segment {name!r} holds {attached.header.slot_count} slots of "
+                                 f"{attached.header.stride} bytes, not {slot_count} of {slot_stride}")
+            self._name, self._fd, self._mmap, self.header = name, attached.fd, attached.mapping, attached.header
+            self._creator_pid = None
+            self._finalizer = weakref.finalize(self, _release, self._mmap, self._fd, name, None)
+        self._whole = memoryview(self._mmap)
+        self._buf = self._whole[:slot_count * slot_stride]
 
     @property
     def buf_name(self) -> str:
@@ -118,36 +151,58 @@ class SharedMemoryManager(MediumBase):
 
     @property
     def buf(self) -> memoryview:
+        """The slots (the segment header behind them is not part of it)."""
         if self._buf is None:
             raise RuntimeError(f"shared memory {self._name} is closed")
         return self._buf
 
+    def set_max_claims(self, max_claims: int) -> None:
+        """Owner: how many of these slots one writer may claim at once (0: no limit)."""
+        if self._whole is None:
+            raise RuntimeError(f"shared memory {self._name} is closed")
+        set_max_claims(self._whole, max_claims)
+
     def close(self) -> None:
-        """Unmap; the owner also unlinks (so ``with`` blocks leave nothing behind)."""
+        """Unmap; the creating process also unlinks (so ``with`` blocks leave nothing behind)."""
         if self._buf is not None:
             self._buf.release()
-            self._buf = None
+            self._whole.release()
+            self._buf = self._whole = None
         self._finalizer()
 
     def unlink(self) -> None:
-        """Remove the name now (owner only). Mapped views stay valid until close."""
+        """Remove the name now (the creating process only). Mapped views stay valid until close."""
         if not self.owner:
             raise PermissionError(f"{self._name}: only the owner may unlink")
+        if self._creator_pid != os.getpid():
+            raise PermissionError(f"{self._name}: created by process {self._creator_pid}, not this one")
         _unlink(self._name)
 
 
-def _create(name: str, size: int) -> tuple[int, mmap.mmap]:
+def _create(name: str | None, run_id: str, size: int) -> tuple[str, int, mmap.mmap]:
+    """Create, lock, size and map a new segment; a generated name is tried again if a
+    concurrent sweep removed the file in the instant before it was locked."""
     check_shm_space(size)
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    try:
-        os.fchmod(fd, 0o600)  # umask could only have narrowed it; make it exact
-        _reserve(fd, name, size)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, mmap.mmap(fd, size)
-    except BaseException:
-        os.close(fd)
-        _unlink(name)
-        raise
+    for _ in range(_CREATE_ATTEMPTS):
+        chosen = name or segment_name(run_id)
+        fd = _posixshmem.shm_open("/" + chosen, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # first: a sweep now sees a live owner
+            if os.fstat(fd).st_nlink == 0:  # swept between shm_open and flock
+                os.close(fd)
+                if name is not None:
+                    raise FileExistsError(f"shared memory {name} was removed while it was being created")
+                continue
+            os.fchmod(fd, 0o600)  # umask could only have narrowed it; make it exact
+            _reserve(fd, chosen, size)
+            return chosen, fd, mmap.mmap(fd, size)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            _unlink(chosen)
+            raise
+    raise OSError(f"could not create a shared-memory segment in {_CREATE_ATTEMPTS} attempts "
+                  "(another process keeps sweeping /dev/shm)")
 
 
 def _reserve(fd: int, name: str, size: int) -> None:
@@ -167,29 +222,70 @@ def _reserve(fd: int, name: str, size: int) -> None:
             raise
 
 
-def attach_segment(name: str, min_size: int) -> mmap.mmap:
-    """Map an existing segment of ours for writing, after checking it is safe to."""
+@dataclass
+class AttachedSegment:
+    """A segment of ours, mapped for writing, with the geometry its owner wrote."""
+
+    name: str
+    mapping: mmap.mmap
+    fd: int
+    """Kept open: it names the very file that was mapped (see :meth:`current`)."""
+    header: SegmentHeader
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the mapped file."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
+    def current(self) -> bool:
+        """Whether the name still refers to the mapped file (False once the owner unlinked
+        it: writing the mapping would then reach no student)."""
+        try:
+            return os.fstat(self.fd).st_nlink > 0
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # a view is still alive: it keeps the map
+            self.mapping.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def attach_segment(name: str) -> AttachedSegment:
+    """Map an existing segment of ours for writing, after checking it is safe to: our
+    name, a regular file of this user, private, and a segment header that describes it."""
     if not is_our_name(name):
         raise PermissionError(f"refusing to attach {name!r}: not a distill segment name")
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK, mode=0o600)
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise PermissionError(f"refusing to attach {name!r}: not private to this user")
-        if st.st_size < min_size:
-            raise ValueError(f"segment {name!r} has {st.st_size} bytes, expected >= {min_size}")
-        return mmap.mmap(fd, st.st_size)
-    finally:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise PermissionError(f"refusing to attach {name!r}: not a private file of this user")
+        if st.st_size < SEGMENT_HEADER_BYTES:
+            raise ValueError(f"segment {name!r} has {st.st_size} bytes: no segment header")
+        mapping = mmap.mmap(fd, st.st_size)
+        try:
+            header = read_segment_header(memoryview(mapping))
+        except ValueError as exc:
+            mapping.close()
+            raise ValueError(f"segment {name!r}: {exc}") from None
+    except BaseException:
         os.close(fd)
+        raise
+    return AttachedSegment(name, mapping, fd, header)
 
 
-def _release(mapping: mmap.mmap, fd: int, name: str, owner: bool) -> None:
+def _release(mapping: mmap.mmap, fd: int, name: str, creator_pid: int | None) -> None:
+    """Unmap; the creating process (and no process forked from it) unlinks and unlocks."""
     try:
         mapping.close()
     except BufferError:
         log.debug("shared memory %s still has exported views; it stays mapped until they go", name)
-    if owner:
+    if creator_pid is not None and os.getpid() == creator_pid:
         _unlink(name)
+    with contextlib.suppress(OSError):
         os.close(fd)
 
 
@@ -199,36 +295,86 @@ def _unlink(name: str) -> None:
 
 
 def list_segments() -> list[str]:
-    """Names of this project's segments in /dev/shm."""
+    """Names of this project's form in /dev/shm (whatever the files are: see ``owner_state``)."""
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if is_our_name(n))
     except FileNotFoundError:
         return []
 
 
+def owner_state(name: str, min_age_s: float = 0.0) -> str:
+    """What the entry ``name`` in /dev/shm is, without ever blocking on it:
+    ``"foreign"`` (not a regular file of this user: not ours to judge), ``"gone"``,
+    ``"young"`` (younger than ``min_age_s``), ``"live"`` (its owner holds the lock) or
+    ``"orphan"`` (nobody holds it)."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, _OPEN_SAFELY)
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return "foreign"  # a symlink (ELOOP), a file we may not read, ...
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return "foreign"
+        if time.time() - st.st_ctime < min_age_s:
+            return "young"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return "live"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return "orphan"
+    finally:
+        os.close(fd)
+
+
 def sweep_orphans(min_age_s: float = 2.0, inbox_dir: str | os.PathLike | None = None) -> list[str]:
     """Unlink our segments whose owner is gone (nobody holds their lock), and the notice
     inboxes (``notices.py``, in ``inbox_dir`` or the default socket directory) of
-    segments that are gone. Returns the segments."""
+    segments that are gone. Entries that are not regular files of this user are left
+    alone (module docstring). Returns the segments."""
     swept = []
-    now = time.time()
     for name in list_segments():
-        try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if now - os.fstat(fd).st_ctime < min_age_s:
-                continue  # its creator may not have taken the lock yet
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live owner holds it
-        finally:
-            os.close(fd)
-        _unlink(name)
-        swept.append(name)
+        if sweep_segment(name, min_age_s):
+            swept.append(name)
     sweep_inboxes(lambda segment: os.path.exists(os.path.join(SHM_DIR, segment)), inbox_dir,
                   min_age_s=min_age_s)
     if swept:
         log.info("swept %d orphaned shared-memory segment(s): %s", len(swept), ", ".join(swept))
     return swept
+
+
+def sweep_segment(name: str, min_age_s: float = 2.0) -> bool:
+    """Unlink the segment ``name`` if it is an orphan of ours (a regular file of this
+    user that nobody holds locked, older than ``min_age_s``); True when it was."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, _OPEN_SAFELY)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        if time.time() - st.st_ctime < min_age_s:
+            return False  # its creator may not have taken the lock yet
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live owner holds it
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False  # the name is another file by now (a new owner's)
+        try:
+            _posixshmem.shm_unlink("/" + name)
+        except OSError as exc:
+            log.debug("could not sweep %s: %s", name, exc)
+            return False
+        return True
+    finally:
+        os.close(fd)

@@ -245,6 +245,25 @@ def test_load_student_in_another_dtype(llama: Teacher, tmp_path: Path) -> None:
         load_student(out_dir, dtype="float8")
 
 
+def test_bf16_teacher_exports_a_bf16_student(tmp_path: Path) -> None:
+    """Float32-trained replacements of a bfloat16 teacher ship in bfloat16, as config.json says,
+    and the loaded student computes what the spliced one did (up to bfloat16 rounding)."""
+    from safetensors import safe_open
+
+    teacher = Teacher(_llama().model.to(torch.bfloat16))
+    replacements = {1: _trained_mlp(teacher, 1).float()}
+    out_dir = export_student(teacher, "tiny-llama", replacements, {1: MLP_CFG}, str(tmp_path / "s"))
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "s" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118 - safe_open is no dict == {torch.bfloat16}
+    student = load_student(out_dir)
+    assert {p.dtype for p in student.parameters()} == {torch.bfloat16}
+    ids = _ids()
+    with torch.no_grad():
+        spliced = splice(teacher, replacements)(ids).logits.float()
+        torch.testing.assert_close(student(ids).logits.float(), spliced, rtol=0.05, atol=0.05)
+
+
 def test_export_needs_one_cfg_per_replacement(llama: Teacher, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="replacement_cfgs"):
         export_student(llama, "x", {0: TeacherCopy(llama, 0)}, {}, str(tmp_path))

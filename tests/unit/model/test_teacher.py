@@ -277,3 +277,31 @@ def test_from_pretrained_errors_name_the_key(tmp_path: Path) -> None:
         Teacher.from_pretrained("./no/such/dir")
     with pytest.raises(ValueError, match=r"`teacher\.dtype='float64'`"):
         Teacher.from_pretrained(str(tmp_path), dtype="float64")
+
+
+def test_threads_capture_on_one_teacher_at_once() -> None:
+    """Two threads capturing different layers of one teacher (a student validating while a
+    worker thread serves it, as in the trainer tests) each get exactly their own layers."""
+    import threading
+
+    teacher = Teacher(_build("llama"))
+    ids_BT = _ids_BT()
+    want = {layers: teacher.capture(ids_BT, list(layers)) for layers in ((0,), (2,))}
+    errors: list[BaseException] = []
+
+    def run(layers: tuple[int, ...]) -> None:
+        try:
+            for _ in range(30):
+                got = teacher.capture(ids_BT, list(layers))
+                assert set(got) == set(layers)
+                for idx in layers:
+                    torch.testing.assert_close(got[idx][1], want[layers][idx][1])
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(layers,)) for layers in want]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[0]

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from distill.pipeline.protocol import PROTOCOL_TAG, Command, ProtocolError, decode, encode
-from distill.pipeline.worker import _shared_sources
+from distill.pipeline.worker.fill import shared_sources
 
 SHARED_WORK = {"work_id": 4, "run_id": "a", "generation": 2, "model_id": "layer_0", "model_cfg": {"layers": [0]},
                "items": [["dst_a", 0, 4160, 9], ["dst_a", 1, 4160, 10], ["dst_b", 5, 4160, 77]],
@@ -33,7 +33,7 @@ def test_malformed_fan_out_fields_are_refused(command: Command, body: dict, reas
 
 
 def test_worker_reads_copies_as_item_to_source() -> None:
-    assert _shared_sources(SHARED_WORK) == {2: 0}
+    assert shared_sources(SHARED_WORK) == {2: 0}
 
 
 @pytest.mark.parametrize(("change", "reason"), [
@@ -44,4 +44,4 @@ def test_worker_reads_copies_as_item_to_source() -> None:
 ])
 def test_inconsistent_fan_out_work_is_refused_by_the_worker(change: dict, reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):
-        _shared_sources({**SHARED_WORK, **change})
+        shared_sources({**SHARED_WORK, **change})

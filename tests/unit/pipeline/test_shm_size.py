@@ -1,4 +1,5 @@
-"""A student's shared memory is exactly ``slot_count x slot stride`` (the sizing formula of docs/pipeline.md).
+"""A student's shared memory is exactly ``slot_count x slot stride`` (the sizing formula of docs/pipeline.md),
+plus the 64-byte segment header behind the slots.
 
 Measured from the outside: the segments this process created in /dev/shm, their
 size and the blocks tmpfs actually allocated for them (``posix_fallocate``
@@ -12,9 +13,9 @@ import os
 import pytest
 
 from distill.pipeline import BatchConfig, TensorSpec
-from distill.pipeline.client import SlotPool
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
-from distill.pipeline.slot import HEADER_BYTES, SLOT_ALIGN, slot_stride
+from distill.pipeline.pool import SlotPool
+from distill.pipeline.slot import HEADER_BYTES, SLOT_ALIGN, segment_bytes, slot_stride
 from distill.train.stages import sample_batch_config
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -39,9 +40,9 @@ def test_student_shared_memory_is_slot_count_times_stride(tmp_path, slot_count: 
         stride = slot_stride(config.nbytes())
         assert stride % SLOT_ALIGN == 0 and config.nbytes() + HEADER_BYTES <= stride < config.nbytes() + 2 * SLOT_ALIGN
         st = os.stat(os.path.join(SHM_DIR, name))
-        assert st.st_size == slot_count * stride
+        assert st.st_size == segment_bytes(slot_count, stride) == slot_count * stride + 64
         allocated = st.st_blocks * 512
-        assert allocated == -(-slot_count * stride // PAGE) * PAGE
+        assert allocated == -(-st.st_size // PAGE) * PAGE
     finally:
         pool.close()
     assert _mine() == before

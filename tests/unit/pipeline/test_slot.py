@@ -22,8 +22,10 @@ from distill.pipeline.slot import (
     clear_headers,
     header_table,
     payload_checksum,
+    read_claim,
     read_header,
     slot_stride,
+    write_claim,
     write_header,
     write_headers,
 )
@@ -31,6 +33,7 @@ from distill.pipeline.slot import (
 PAYLOAD = 40
 STRIDE = slot_stride(PAYLOAD)
 SLOTS = 16
+WRITER = 0x1234_5678_0001
 
 
 def _segment() -> memoryview:
@@ -79,7 +82,8 @@ def test_check_slots_agrees_with_check_slot() -> None:
         if kind == 4:
             buf[slot * STRIDE + HEADER_BYTES:slot * STRIDE + HEADER_BYTES + PAYLOAD] = rng.randbytes(PAYLOAD)
             checksum = payload_checksum(buf[slot * STRIDE + HEADER_BYTES:][:PAYLOAD])
-        write_header(buf[slot * STRIDE:], SlotHeader(generation, req, length, checksum))
+        write_claim(buf[slot * STRIDE:], WRITER, 100 + slot)  # the fill asked for, claimed
+        write_header(buf[slot * STRIDE:], SlotHeader(generation, req, length, checksum, WRITER))
     slots = list(range(SLOTS))
     reqs = [100 + s for s in slots]
     fast = check_slots(table, slots, 3, reqs, PAYLOAD)
@@ -95,12 +99,15 @@ def test_check_slots_agrees_with_check_slot() -> None:
 
 def _mixed_headers(buf: memoryview) -> None:
     """Headers of every kind check_slots tells apart, at random: good, stale, foreign,
-    short, torn, checksummed, unknown flag bits, wrong magic or version."""
+    short, torn, checksummed, unknown flag bits, wrong magic or version, committed by
+    a writer that does not hold the claim, unclaimed, or for another fill."""
     rng = random.Random(2)
     for slot in range(SLOTS):
-        kind = rng.randrange(9)
+        kind = rng.randrange(12)
+        write_claim(buf[slot * STRIDE:], WRITER if kind != 10 else 0, 100 + slot if kind != 11 else 8)
         write_header(buf[slot * STRIDE:], SlotHeader(3 if kind != 1 else 2, 100 + slot if kind != 2 else 7,
-                                                     PAYLOAD if kind != 3 else 1, 5 if kind == 5 else None))
+                                                     PAYLOAD if kind != 3 else 1, 5 if kind == 5 else None,
+                                                     WRITER if kind != 9 else WRITER + 1))
         if kind == 4:
             clear_header(buf[slot * STRIDE:])
         elif kind == 6:
@@ -147,13 +154,15 @@ def test_header_table_writes_and_clears_few_slots_as_the_table_functions_do() ->
 
 def test_header_table_refuses_slots_outside_it_and_zeroes_reserved_bytes() -> None:
     """NumPy would wrap a negative index to the last slot; the table refuses it instead.
-    A header it writes is whole: reserved bytes a bad writer left behind are zeroed."""
+    A commit is whole: reserved bytes a bad writer left behind are zeroed; the claim and
+    the fill (not a commit's to write) stay as they were."""
     buf = _segment()
     table = HeaderTable(buf, STRIDE)
     buf[STRIDE:2 * STRIDE] = b"\xff" * STRIDE
-    table.write([1], 2, [3], PAYLOAD)
-    assert bytes(buf[STRIDE + 36:STRIDE + HEADER_BYTES]) == bytes(HEADER_BYTES - 36)
-    assert read_header(buf[STRIDE:]) == SlotHeader(2, 3, PAYLOAD)
+    table.write([1], 2, [3], PAYLOAD, writer=WRITER)
+    assert bytes(buf[STRIDE + 36:STRIDE + 40]) == bytes(4)
+    assert read_header(buf[STRIDE:]) == SlotHeader(2, 3, PAYLOAD, None, WRITER)
+    assert read_claim(buf[STRIDE:]) == (2**64 - 1, 2**64 - 1)
     assert bytes(buf[STRIDE + HEADER_BYTES:2 * STRIDE]) == b"\xff" * (STRIDE - HEADER_BYTES)
     buf[STRIDE:2 * STRIDE] = bytes(STRIDE)
     for slot in (-1, SLOTS):

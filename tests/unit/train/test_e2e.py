@@ -1,18 +1,20 @@
-"""The end-to-end stage's parts: the top-k KL loss against a direct computation, the
-worker's top-k targets against the model's own logits, and what each trainable mode trains."""
+"""The end-to-end stage's parts: the top-k KL loss against a direct computation (and its
+chunked form against the plain one), the worker's top-k targets against the model's own
+logits, what each trainable mode trains, and that a frozen base is the teacher's own memory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from distill.model.teacher import Teacher
 from distill.pipeline.slot import HEADER_BYTES, slot_stride
 from distill.pipeline.worker import SlotTarget
 from distill.replacements.mlp import ResidualMLP
-from distill.train.e2e import E2EStudent, topk_kl
+from distill.train.e2e import E2EStudent, chunked_topk_kl, topk_kl
 from distill.train.stages import sample_batch_config
 from distill.train.targets import write_e2e_targets
-from tests.tiny_teachers import tiny_llama
+from tests.tiny_teachers import tiny_bert, tiny_llama
 
 
 def _reference_kl(student_NV: torch.Tensor, teacher_logits_NV: torch.Tensor, k: int, tau: float,
@@ -102,15 +104,123 @@ def test_trainable_modes_train_what_they_say_and_leave_the_teacher_alone(trainab
         assert any("embed_tokens" in n for n in names) and any(".replacement." in n for n in names)
     ids_BT = torch.randint(0, 50, (2, 8))
     with torch.no_grad():
-        start_logits = student(ids_BT)[0].clone()
+        start_logits = student.logits(student.final_hidden(ids_BT)).clone()
     optimizer = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.5)
-    logits_BTV, _ = student(ids_BT)
     logp_NK, idx_NK = _teacher_topk(torch.randn(16, 50), 5)
-    topk_kl(logits_BTV.flatten(0, 1), logp_NK, idx_NK, 1.0).backward()
+    loss, _ = student(ids_BT, logp_NK.view(2, 8, 5), idx_NK.view(2, 8, 5))
+    loss.backward()
     optimizer.step()
     with torch.no_grad():
-        assert not torch.allclose(student(ids_BT)[0], start_logits)
+        assert not torch.allclose(student.logits(student.final_hidden(ids_BT)), start_logits)
     for key, value in teacher.model.state_dict().items():
         assert torch.equal(value, before[key]), f"teacher weight {key} changed"
     with pytest.raises(ValueError, match="student.e2e.trainable"):
         E2EStudent(teacher, replacements, "everything")
+
+
+def test_an_encoder_student_is_trained_on_its_final_hidden_state() -> None:
+    """No LM head: the worker sends the final hidden state only, the student gives no logits."""
+    teacher = tiny_bert(vocab_size=50, num_layers=2)
+    config = sample_batch_config(1, 8, 32, "float32")  # what stage_layout gives an encoder: no top-k
+    view = memoryview(bytearray(config.nbytes()))
+    ids_BT = torch.randint(0, 50, (1, 8))
+    write_e2e_targets(teacher, ids_BT, [SlotTarget(0, 1, view, config.decode(view))])
+    with torch.no_grad():
+        want_BTD = teacher.model(ids_BT).last_hidden_state
+    torch.testing.assert_close(config.decode(view)["hidden"][0], want_BTD[0])
+    student = E2EStudent(teacher, {1: ResidualMLP(teacher, 1).float()}, "replacements")
+    logits, final_BTD = student(ids_BT)
+    assert logits is None and final_BTD.shape == want_BTD.shape
+
+
+class _RecordingHead(torch.nn.Module):
+    """An LM head that records how many rows of logits it formed per call."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, vocab)
+        self.rows: list[int] = []
+
+    def forward(self, hidden_CD: torch.Tensor) -> torch.Tensor:
+        self.rows.append(hidden_CD.shape[0])
+        return self.linear(hidden_CD)
+
+
+@pytest.mark.parametrize("renormalize_student", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 30, 64])
+def test_chunked_kl_is_the_plain_formula_without_the_full_logits(chunk: int, renormalize_student: bool) -> None:
+    """Same value and gradients (hidden states and head weights) as topk_kl on the full logits,
+    while no call ever forms more than ``chunk`` rows of logits, in forward or backward."""
+    torch.manual_seed(0)
+    num_tokens, hidden, vocab, k, tau = 30, 16, 40, 5, 1.7
+    head = _RecordingHead(hidden, vocab)
+    logp_NK, idx_NK = _teacher_topk(torch.randn(num_tokens, vocab) * 3, k)
+    hidden_ND = torch.randn(num_tokens, hidden, requires_grad=True)
+    want = topk_kl(head(hidden_ND), logp_NK, idx_NK, tau, renormalize_student)
+    want_grads = torch.autograd.grad(want, [hidden_ND, head.linear.weight, head.linear.bias])
+    head.rows.clear()
+    got = chunked_topk_kl(hidden_ND, head, logp_NK, idx_NK, tau, chunk, renormalize_student)
+    forward_rows = list(head.rows)
+    got_grads = torch.autograd.grad(got, [hidden_ND, head.linear.weight, head.linear.bias])
+    torch.testing.assert_close(got, want)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad)
+    assert max(head.rows) == min(chunk, num_tokens)
+    assert sum(forward_rows) == num_tokens and sum(head.rows) == 2 * num_tokens  # recomputed in backward
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        chunked_topk_kl(hidden_ND, head, logp_NK, idx_NK, tau, 0)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_kl_keeps_no_full_logits_for_backward(device: str) -> None:
+    """Nothing of [N, V] size is kept between forward and backward (saved-tensor hooks see
+    what autograd keeps); on CUDA the allocator's peak stays below one [N, V] float32 tensor."""
+    torch.manual_seed(0)
+    num_tokens, hidden, vocab, chunk = 2048, 64, 4096, 128
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(device)
+    hidden_ND = torch.randn(num_tokens, hidden, device=device, requires_grad=True)
+    logp_NK, idx_NK = _teacher_topk(torch.randn(num_tokens, 64, device=device), 8)
+    saved: list[int] = []
+    full_bytes = num_tokens * vocab * 4
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        loss = chunked_topk_kl(hidden_ND, head, logp_NK, idx_NK, 1.0, chunk)
+    loss.backward()
+    assert max(saved) < num_tokens * vocab // 4
+    if device == "cuda":
+        assert torch.cuda.max_memory_allocated() - base < full_bytes / 2
+
+
+@pytest.mark.parametrize("trainable", ["replacements", "lora", "all"])
+def test_frozen_base_is_the_teachers_own_memory(trainable: str) -> None:
+    """No second copy of the teacher for a frozen base; trainable=all trains its own float32 copy."""
+    teacher = tiny_llama(vocab_size=50, num_layers=3)
+    student = E2EStudent(teacher, {1: ResidualMLP(teacher, 1).float()}, trainable, lora_rank=2)
+    teacher_ptrs = {p.data_ptr() for p in teacher.model.parameters()}
+    base = [p for name, p in student.named_parameters() if ".replacement." not in name]
+    shared = [p.data_ptr() in teacher_ptrs for p in base]
+    if trainable == "all":
+        assert not any(shared) and all(p.dtype == torch.float32 and p.requires_grad for p in base)
+    else:
+        assert all(shared) and not any(p.requires_grad for p in base)
+
+
+def test_bf16_teacher_with_float32_replacements() -> None:
+    """A bfloat16 teacher's stream runs through float32 replacements (cast at the boundary):
+    the loss is finite and the replacement's float32 weights get gradients."""
+    fp32 = tiny_llama(vocab_size=50, num_layers=2)
+    teacher = Teacher(fp32.model.to(torch.bfloat16))
+    replacement = ResidualMLP(teacher, 1).float()
+    student = E2EStudent(teacher, {1: replacement}, "replacements", loss_chunk_tokens=5)
+    logp_NK, idx_NK = _teacher_topk(torch.randn(16, 50), 5)
+    loss, final_BTD = student(torch.randint(0, 50, (2, 8)), logp_NK.view(2, 8, 5), idx_NK.view(2, 8, 5))
+    loss.backward()
+    assert final_BTD.dtype == torch.bfloat16 and torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in replacement.parameters())

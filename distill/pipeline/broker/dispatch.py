@@ -1,0 +1,270 @@
+"""Dispatch: queued slots into WORKs for workers with credit; finished WORKs into answers.
+
+Workers get credit-based flow control: READY says how many slots a worker can hold
+(absolute, capped by ``max_worker_credit``), each WORK spends credit, each DONE
+returns it. WORKs hold slots of one run (one model), up to the worker's ``max_batch``
+(at most ``MAX_WORK_ITEMS``); runs are served round robin.
+
+A request carries no generation of its own beyond "at least this one": the broker
+stamps the run's *current* generation when it hands the slot to a worker, and
+completes a slot only if that generation is still current; otherwise the student is
+told DISCARDED and asks again. So a switch never strands a slot, and nothing of an
+older generation is ever completed after ``SET_MODEL`` was answered.
+
+Fan-out (opt-in per run, ``SET_MODEL.share_model``): runs with the same model (equal
+``model_id`` and ``model_cfg``) that all opted in are served together. One WORK takes
+up to ``max_batch`` queued slots of *each* such run, and the j-th slot of every run
+gets the same sample (WORK.copies), so the teacher computes each sample once for all
+of them. A run with fewer queued slots simply gets fewer copies. Such a WORK is kept
+as one part per run, each with its own generation, so a switch in one run discards
+only that run's part. A shared WORK spends one credit per sample computed.
+
+A WORK is encoded before any state changes: a WORK that could not be sent leaves its
+slots queued where they were (and the error to the loop's guard).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from distill.pipeline import protocol
+from distill.pipeline.broker.config import MAX_WORK_ITEMS
+from distill.pipeline.broker.records import SlotRequests, Work, WorkerPeer, medium_label
+from distill.pipeline.broker.runs import RunState
+from distill.pipeline.broker.state import BrokerState
+from distill.pipeline.protocol import Command
+from distill.pipeline.throttle import LogThrottle
+
+log = logging.getLogger(__name__)
+
+MAX_SHARED_RUNS = 64
+"""Runs one fan-out WORK serves at most (each gets at least one slot of it)."""
+
+
+class Dispatcher:
+    """Hands queued slots to workers and answers finished WORKs (see module docstring)."""
+
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+        self._failures = LogThrottle(log)
+
+    # ------------------------------------------------------------------ WORK
+    def dispatch(self) -> None:
+        """Hand queued slots to workers with credit: one WORK per run in turn, to the
+        worker with the most credit, until a whole turn serves no run. The turn goes on
+        from where the last one stopped, so runs with equal demand get equal shares
+        (a full rotation per call would let the first run take every freed credit)."""
+        state = self.state
+        workers, order = state.workers.peers, state.runs.order
+        idle = 0
+        while workers and idle < len(order):
+            worker = max(workers.values(), key=lambda w: w.credit)
+            if worker.credit <= 0:
+                return
+            run = state.runs.runs[order[0]]
+            order.rotate(-1)
+            if run.model_id is None or not run.queued or not self._send_next(worker, run):
+                idle += 1
+                continue
+            idle = 0
+
+    def _send_next(self, worker: WorkerPeer, run: RunState) -> bool:
+        """One WORK for ``worker``: ``run`` alone, or with the runs it shares its model
+        with. False when the slots wait for a partner run (see ``_waits``)."""
+        if not run.share_model:
+            self._send_work(worker, run, min(worker.credit, worker.max_batch))
+            return True
+        if self._waits(worker, run):
+            return False
+        partners = self._partners(run)
+        if partners:
+            runs = [run, *partners[:MAX_SHARED_RUNS - 1]]
+            self._send_shared_work(worker, runs, min(worker.credit, worker.max_batch, MAX_WORK_ITEMS // len(runs)))
+        else:
+            self._send_work(worker, run, min(worker.credit, worker.max_batch))
+        return True
+
+    def _waits(self, worker: WorkerPeer, run: RunState) -> bool:
+        """Hold a sharing run's slots while the worker is busy anyway and another live
+        run of its model has no slots queued yet (its student is re-requesting): sent
+        now, they would be computed for this run alone. An idle worker never waits."""
+        if not worker.in_flight:
+            return False
+        waiting_for = {other.run_id for other in self.state.runs.runs.values()
+                       if other is not run and other.share_model and not other.queued and run.same_model(other)}
+        return bool(waiting_for & {student.run_id for student in self.state.students.peers.values()})
+
+    def _partners(self, run: RunState) -> list[RunState]:
+        """Other opted-in runs with queued slots and exactly ``run``'s model."""
+        return [other for other in self.state.runs.runs.values()
+                if other is not run and other.share_model and other.queued and run.same_model(other)]
+
+    def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
+        """A plain WORK (one run). A run opted in to fan-out is marked ``shared``, so its
+        slots keep coming through us (no direct requests) and can be shared later."""
+        state = self.state
+        requests = state.runs.take(run, count)
+        num_slots = sum(len(r.slots) for r in requests)
+        work = Work(state.next_work_id, worker.identity, run.run_id, run.generation, requests, num_slots,
+                    model_id=run.model_id, sent_at=time.monotonic())
+        body = {
+            "work_id": work.work_id, "run_id": run.run_id, "generation": run.generation,
+            "model_id": run.model_id, "model_cfg": run.model_cfg,
+            "items": [[r.medium, slot_idx, r.stride, request_id]
+                      for r in requests for slot_idx, request_id in r.slots],
+        }
+        if run.share_model:
+            body["shared"] = True
+        frames = self._encode(run, requests, body)
+        self._commit(worker, work, num_slots, num_slots)
+        protocol.send_frames(state.send.backend, frames, identity=worker.identity)
+
+    def _send_shared_work(self, worker: WorkerPeer, runs: list[RunState], samples: int) -> None:
+        """A fan-out WORK: up to ``samples`` slots of each run; slot j of every run gets
+        sample j, computed once for the first run that has a j-th slot."""
+        state = self.state
+        parts = []
+        for run in runs:
+            requests = state.runs.take(run, samples)
+            parts.append(Work(0, worker.identity, run.run_id, run.generation, requests,
+                              sum(len(r.slots) for r in requests), model_id=run.model_id))
+        items, groups, copies, source_of = [], [], [], {}
+        for part in parts:
+            groups.append([part.run_id, part.generation, part.num_slots])
+            for j, (request, slot_idx, request_id) in enumerate(_slots(part.requests)):
+                if j in source_of:
+                    copies.append([len(items), source_of[j]])
+                else:
+                    source_of[j] = len(items)
+                items.append([request.medium, slot_idx, request.stride, request_id])
+        first = runs[0]
+        work = Work(state.next_work_id, worker.identity, first.run_id, first.generation,
+                    [r for part in parts for r in part.requests], len(items), parts, len(source_of),
+                    model_id=first.model_id, sent_at=time.monotonic())
+        try:
+            frames = protocol.encode(Command.WORK, {
+                "work_id": work.work_id, "run_id": work.run_id, "generation": work.generation,
+                "model_id": first.model_id, "model_cfg": first.model_cfg, "items": items,
+                "runs": groups, "copies": copies,
+            })
+        except BaseException:
+            for part, run in zip(parts, runs, strict=True):
+                state.runs.requeue_front(run, part.requests)
+            raise
+        self._commit(worker, work, len(items), len(source_of))
+        protocol.send_frames(state.send.backend, frames, identity=worker.identity)
+
+    def _encode(self, run: RunState, requests: list[SlotRequests], body: dict[str, Any]) -> list[bytes]:
+        """The frames of a WORK, or its slots back in the queue and the error raised."""
+        try:
+            return protocol.encode(Command.WORK, body)
+        except BaseException:
+            self.state.runs.requeue_front(run, requests)
+            raise
+
+    def _commit(self, worker: WorkerPeer, work: Work, num_items: int, credit: int) -> None:
+        state = self.state
+        state.next_work_id += 1
+        worker.in_flight[work.work_id] = work
+        worker.credit -= credit
+        state.counters.dispatched += num_items
+
+    # ------------------------------------------------------------------ answers
+    def complete_parts(self, work: Work, failed: dict[int, str], notified: frozenset[str]) -> None:
+        """Complete a WORK, each run's part against its own run's generation."""
+        if not work.parts:
+            self.complete(work, failed, notified)
+            return
+        start = 0
+        for part in work.parts:
+            end = start + part.num_slots
+            self.complete(part, {idx - start: why for idx, why in failed.items() if start <= idx < end}, notified)
+            start = end
+
+    def complete(self, work: Work, failed: dict[int, str], notified: frozenset[str] = frozenset()) -> None:
+        """Answer a finished WORK: COMPLETE (filled or failed) or DISCARDED (stale) to
+        each student; filled slots of ``notified`` segments were announced by the worker
+        itself (``notices.py``) and are only counted."""
+        state = self.state
+        state.ledger.settle(work.requests)
+        run = state.runs.get(work.run_id)
+        stale = run is None or work.generation != run.generation
+        by_student: dict[bytes, list[list]] = {}
+        discarded: dict[bytes, list[list[int]]] = {}
+        num_notified = 0
+        if not stale and not failed:  # the common case: every slot filled
+            for request in work.requests:
+                if request.medium in notified:
+                    num_notified += len(request.slots)
+                    continue
+                by_student.setdefault(request.student, []).extend(
+                    [slot_idx, request_id, True] for slot_idx, request_id in request.slots)
+        else:
+            _sort_outcomes(work, stale, failed, by_student, discarded, self._failures)
+            if notified and not stale:
+                num_notified = _drop_notified(work, notified, by_student)
+        self._count_outcomes(run, by_student, discarded, num_notified, bool(failed))
+        send = state.send
+        for student, rows in by_student.items():
+            if rows:
+                send.to_student(student, Command.COMPLETE, {"generation": work.generation, "slots": rows})
+        for student, rows in discarded.items():
+            send.to_student(student, Command.DISCARDED, {"generation": run.generation if run else 0, "slots": rows})
+
+    def _count_outcomes(self, run: RunState | None, by_student: dict[bytes, list[list]],
+                        discarded: dict[bytes, list[list[int]]], num_notified: int, any_failed: bool) -> None:
+        counters = self.state.counters
+        num_failed = sum(not ok for rows in by_student.values() for *_, ok in rows) if any_failed else 0
+        num_rows = sum(len(v) for v in by_student.values()) + num_notified
+        num_discarded = sum(len(v) for v in discarded.values())
+        counters.completed += num_rows - num_failed
+        counters.notified += num_notified
+        counters.failed += num_failed
+        counters.discarded += num_discarded
+        if run is not None:
+            run.completed += num_rows
+            run.discarded += num_discarded
+        self.state.completed_rate.add(num_rows)
+
+
+def parts(works: Any) -> list[Work]:
+    """The one-run parts of ``works`` (a fan-out WORK has one per run)."""
+    return [part for work in works for part in (work.parts or [work])]
+
+
+def _slots(requests: list[SlotRequests]) -> Iterator[tuple[SlotRequests, int, int]]:
+    """(request, slot_idx, request_id) of every slot of ``requests``, in order."""
+    return ((request, slot_idx, request_id) for request in requests for slot_idx, request_id in request.slots)
+
+
+def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: dict[bytes, list[list]],
+                   discarded: dict[bytes, list[list[int]]], failures: LogThrottle) -> None:
+    """Slot by slot: completed (ok or failed) or discarded (stale)."""
+    idx = 0
+    for request in work.requests:
+        for slot_idx, request_id in request.slots:
+            if stale or failed.get(idx) == "stale":
+                discarded.setdefault(request.student, []).append([slot_idx, request_id])
+            else:
+                ok = idx not in failed
+                if not ok:
+                    failures.warning("worker failed slot %d of %s: %s", slot_idx, medium_label(request.medium),
+                                     failed[idx])
+                by_student.setdefault(request.student, []).append([slot_idx, request_id, ok])
+            idx += 1
+
+
+def _drop_notified(work: Work, notified: frozenset[str], by_student: dict[bytes, list[list]]) -> int:
+    """Take the filled slots of ``notified`` segments out of the COMPLETE rows (their
+    students were told directly; failed ones still need the broker). Returns how many."""
+    students = {request.student for request in work.requests if request.medium in notified}
+    dropped = 0
+    for student in students & by_student.keys():
+        rows = by_student[student]
+        kept = [row for row in rows if not row[2]]
+        dropped += len(rows) - len(kept)
+        by_student[student] = kept
+    return dropped

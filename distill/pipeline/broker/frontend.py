@@ -1,0 +1,118 @@
+"""The students' socket: HELLO, REQUEST, HEARTBEAT, BYE (STATS is the service's).
+
+Each handler takes the sender's routing identity, its CurveZMQ key (None without
+authentication) and the validated body; it refuses by raising ``ProtocolError``
+(``Impostor`` for another connection's peer id or medium), which the loop answers
+with an ERROR. A REQUEST is checked against the limits (``limits.check_request``),
+its medium claimed for the sender's connection, split at the queue limits (the slots
+that fit are queued, the rest named back in the ERROR so the student asks again) and
+dropped where it repeats a request already outstanding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from distill.pipeline.broker import limits
+from distill.pipeline.broker.limits import over_limit
+from distill.pipeline.broker.records import SlotRequests, StudentPeer, check_key, medium_label
+from distill.pipeline.broker.state import BrokerState
+from distill.pipeline.protocol import Command, ProtocolError
+from distill.pipeline.throttle import LogThrottle
+
+log = logging.getLogger(__name__)
+
+
+class Frontend:
+    """Student handlers and the students' liveness."""
+
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+        self._repeats = LogThrottle(log)
+
+    def _touch(self, identity: bytes, key: str | None, peer_id: str, run_id: str, command: str) -> StudentPeer:
+        """The student ``peer_id`` (registered at its first HELLO or REQUEST), bound to this connection."""
+        students, now = self.state.students, time.monotonic()
+        peer = students.bound(identity, peer_id, key, command)
+        if peer is None:
+            peer = students.add(identity, peer_id, key, run_id, now)
+        elif peer.run_id != run_id:
+            raise ProtocolError(f"student {peer_id} belongs to run {peer.run_id}, not {run_id}: "
+                                "use one peer id per run")
+        peer.last_seen = now
+        return peer
+
+    def on_hello(self, identity: bytes, key: str | None, body: dict) -> None:
+        state = self.state
+        run = state.runs.get_or_add(body["run_id"], state.busy_runs)
+        self._touch(identity, key, body["peer_id"], run.run_id, "HELLO")
+        state.send.to_student(identity, Command.WELCOME, {
+            "run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
+            "model_cfg": run.model_cfg, "heartbeat_interval_ms": int(state.config.heartbeat_interval_s * 1000),
+        })
+
+    def on_request(self, identity: bytes, key: str | None, body: dict) -> None:
+        state = self.state
+        stride, slots, medium = body["stride"], body["slots"], body["medium"]
+        limits.check_request(state.config, stride, slots)
+        run = state.runs.get_or_add(body["run_id"], state.busy_runs)
+        peer = self._touch(identity, key, body["peer_id"], run.run_id, "REQUEST")
+        state.students.claim_medium(peer.connection, medium, stride)
+        room, limit = state.runs.room(run, peer.connection)
+        refused = None
+        if len(slots) > room:
+            room = max(0, room)
+            refused = over_limit(f"{len(slots)} slots asked, room for {room} more", limit)
+            refused.slots = slots[room:]  # type: ignore[attr-defined]  # named in the ERROR reply
+            state.counters.refused += len(slots) - room
+            slots = slots[:room]
+        fresh = state.ledger.admit(medium, slots)
+        if len(fresh) < len(slots):
+            self._repeats.warning("dropped %d repeated request(s) for slots of %s", len(slots) - len(fresh),
+                                  medium_label(medium))
+        if fresh:
+            state.runs.enqueue(run, SlotRequests(peer.connection, run.run_id, medium, stride, fresh))
+        state.counters.requested += len(fresh)
+        state.requested_rate.add(len(fresh))
+        if refused is not None:
+            raise refused
+
+    def on_heartbeat(self, identity: bytes, key: str | None, body: dict) -> None:
+        """Heartbeats come from the student's heartbeat socket (another connection than
+        its requests'): bound by its key only, when there are keys."""
+        state = self.state
+        students = state.students
+        peer = students.peers.get(body["peer_id"])
+        if peer is None and body["peer_id"] in students.purged:
+            # We dropped its requests: it must ask again. (Unknown but never purged
+            # means its first REQUEST is still on the way: nothing to do.)
+            del students.purged[body["peer_id"]]
+            state.send.to_student(identity, Command.RECONNECT, {})
+            return
+        if peer is not None:
+            check_key(f"student {peer.peer_id[:64]}", peer.connection.key, key)
+            peer.last_seen = time.monotonic()
+        state.send.to_student(identity, Command.HEARTBEAT, state.beat_body)
+
+    def on_bye(self, identity: bytes, key: str | None, body: dict) -> None:
+        peer = self.state.students.bound(identity, body["peer_id"], key, "BYE")
+        if peer is not None:
+            self.forget(peer)
+
+    def forget(self, peer: StudentPeer, *, purged: bool = False) -> None:
+        """Drop ``peer``'s queued requests and its record (and its connection's, when last)."""
+        state = self.state
+        run = state.runs.get(peer.run_id)
+        if run is not None:
+            state.ledger.settle(state.runs.drop(run, peer.connection), answered=False)
+        state.students.remove(peer, purged=purged)
+
+    def purge(self, now: float) -> None:
+        """Forget students that missed their heartbeats (they are told RECONNECT if they beat again)."""
+        config = self.state.config
+        deadline = now - config.heartbeat_interval_s * config.heartbeat_liveness
+        for peer in [s for s in self.state.students.peers.values() if s.last_seen < deadline]:
+            log.warning("student %s missed %d heartbeats: dropping its requests", peer.peer_id,
+                        config.heartbeat_liveness)
+            self.forget(peer, purged=True)

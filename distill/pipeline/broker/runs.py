@@ -1,0 +1,222 @@
+"""Runs and their queues: the only code that moves slots in or out of a run's queue.
+
+State per run (``RunState``): model, generation, and the requested slots: one FIFO per
+student connection, served round robin, so a student that queues thousands of slots
+(a flood, or just a big pool) does not make the one behind it wait for all of them.
+Every change to a queue goes through :class:`RunTable`, which keeps three counts in step
+with it: the run's ``queued``, the broker's total, and each connection's (its
+``Connection.queued``), so the limits never sum over tables and no count drifts from
+the queues it describes. The table also keeps what the runs' ``model_cfg`` weigh
+together (``retained_cfg_bytes``), bounded by ``max_retained_cfg_bytes``.
+
+:class:`RequestLedger` remembers which slot requests are outstanding or were just
+answered, so that a repeated REQUEST (a student re-asking after our restart while its
+first REQUEST was still on the way) never has one slot dispatched twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from distill.pipeline.broker.config import BrokerConfig
+from distill.pipeline.broker.limits import over_limit
+from distill.pipeline.broker.records import Connection, SlotRequests
+
+RECENTLY_SETTLED = 16_384
+"""Slot requests remembered after they were answered, so that a repeat still on its way
+(sent again by a student that saw us restart) is not filled a second time."""
+
+
+@dataclass(slots=True, eq=False)
+class RunState:
+    run_id: str
+    generation: int = 0
+    model_id: str | None = None
+    model_cfg: dict | None = None
+    cfg_cost: int = 0
+    """What keeping ``model_cfg`` costs (``limits.cfg_cost``), counted in the table's total."""
+    queues: OrderedDict[Connection, deque[SlotRequests]] = field(default_factory=OrderedDict)
+    """Per student connection, its requests in order; the first connection is served next."""
+    queued: int = 0
+    """Slots in ``queues``."""
+    completed: int = 0
+    discarded: int = 0
+    leader_epoch: int = 0
+    leader_id: str | None = None
+    share_model: bool = False
+    """Fan-out opt-in: its slots may get samples computed for other runs of the same model."""
+
+    def same_model(self, other: RunState) -> bool:
+        """Whether ``other`` asks for exactly this run's model (both depth-bounded by the protocol)."""
+        return other.model_id == self.model_id and other.model_cfg == self.model_cfg
+
+
+class RunTable:
+    """Runs by id, the round-robin order they are served in, and their queues' counts."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.runs: dict[str, RunState] = {}
+        self.order: deque[str] = deque()
+        """Round robin: the run served next is ``order[0]``."""
+        self.queued = 0
+        """Slots queued over all runs."""
+        self.retained_cfg_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def get(self, run_id: str) -> RunState | None:
+        return self.runs.get(run_id)
+
+    def get_or_add(self, run_id: str, busy: Callable[[], set[str]]) -> RunState:
+        """The run ``run_id``, made if new (forgetting an idle run at ``max_runs``)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            self._make_room(run_id, busy)
+            run = self.runs[run_id] = RunState(run_id)
+            self.order.append(run_id)
+        return run
+
+    def _make_room(self, run_id: str, busy: Callable[[], set[str]]) -> None:
+        """At ``max_runs``, forget an idle run (no model, queue, student or work) or refuse."""
+        if len(self.runs) < self.config.max_runs:
+            return
+        in_use = busy()
+        idle = next((r.run_id for r in self.runs.values()
+                     if r.model_id is None and not r.queued and r.run_id not in in_use), None)
+        if idle is None:
+            raise over_limit(f"{len(self.runs)} runs known, cannot add run {run_id[:40]}", "max_runs")
+        del self.runs[idle]
+        self.order.remove(idle)
+
+    def set_model(self, run: RunState, model_id: str, model_cfg: dict | None, cost: int) -> None:
+        """Switch ``run``'s model, within the bytes all runs' configs may keep."""
+        total = self.retained_cfg_bytes - run.cfg_cost + cost
+        if total > self.config.max_retained_cfg_bytes:
+            raise over_limit(f"run {run.run_id}: its model_cfg would bring what all runs keep to "
+                             f"{total} bytes", "max_retained_cfg_bytes")
+        self.retained_cfg_bytes = total
+        run.model_id, run.model_cfg, run.cfg_cost = model_id, model_cfg, cost
+
+    # ------------------------------------------------------------------ queues
+    def room(self, run: RunState, connection: Connection) -> tuple[int, str]:
+        """How many more slots ``connection`` may queue in ``run``, and the limit that binds."""
+        config = self.config
+        return min((config.max_queued_per_student - connection.queued, "max_queued_per_student"),
+                   (config.max_queued - self.queued, "max_queued"),
+                   (config.max_queued_per_run - run.queued, "max_queued_per_run"))
+
+    def enqueue(self, run: RunState, request: SlotRequests) -> None:
+        queue = run.queues.get(request.owner)
+        if queue is None:
+            queue = run.queues[request.owner] = deque()
+        queue.append(request)
+        self._count(run, (request,), +1)
+
+    def requeue_front(self, run: RunState, requests: list[SlotRequests]) -> None:
+        """Put ``requests`` back at the head of their connections' queues, in their order,
+        and those connections first in turn (their slots were waiting longest)."""
+        by_owner: dict[Connection, list[SlotRequests]] = {}
+        for request in requests:
+            by_owner.setdefault(request.owner, []).append(request)
+        for owner, group in reversed(by_owner.items()):
+            queue = run.queues.get(owner)
+            if queue is None:
+                queue = run.queues[owner] = deque()
+            queue.extendleft(reversed(group))
+            run.queues.move_to_end(owner, last=False)
+        self._count(run, requests, +1)
+
+    def take(self, run: RunState, count: int) -> list[SlotRequests]:
+        """Up to ``count`` queued slots, shared out among the run's connections in turn
+        (each connection's oldest first; a group split where a share ends)."""
+        taken: list[SlotRequests] = []
+        left, queues = count, run.queues
+        while left > 0 and queues:
+            share = max(1, left // len(queues))
+            for owner in list(queues):
+                if left <= 0:
+                    break
+                got = _take_from(queues[owner], min(share, left))
+                taken.extend(got)
+                left -= sum(len(r.slots) for r in got)
+                if not queues[owner]:
+                    del queues[owner]
+        if queues:
+            queues.move_to_end(next(iter(queues)))  # the next take starts with another connection
+        self._count(run, taken, -1)
+        return taken
+
+    def drop(self, run: RunState, connection: Connection) -> list[SlotRequests]:
+        """Take every queued request of ``connection`` out of ``run``; returns them."""
+        dropped = list(run.queues.pop(connection, ()))
+        self._count(run, dropped, -1)
+        return dropped
+
+    def _count(self, run: RunState, requests: Iterable[SlotRequests], sign: int) -> None:
+        total = 0
+        for request in requests:
+            count = len(request.slots)
+            request.owner.queued += sign * count
+            total += count
+        run.queued += sign * total
+        self.queued += sign * total
+
+
+def _take_from(queue: deque[SlotRequests], count: int) -> list[SlotRequests]:
+    """Up to ``count`` slots from the head of one connection's queue (the last group split)."""
+    taken: list[SlotRequests] = []
+    left = count
+    while left > 0 and queue:
+        head = queue[0]
+        if len(head.slots) <= left:
+            taken.append(queue.popleft())
+        else:
+            taken.append(SlotRequests(head.owner, head.run_id, head.medium, head.stride, head.slots[:left]))
+            del head.slots[:left]
+        left -= len(taken[-1].slots)
+    return taken
+
+
+class RequestLedger:
+    """(medium, slot, request id) of every slot request queued or in flight, and of the
+    last RECENTLY_SETTLED answered: a REQUEST repeating one of them is dropped, so no slot
+    is ever dispatched twice. Bounded by the queue limits and workers' credit."""
+
+    def __init__(self) -> None:
+        self._outstanding: set[tuple[str, int, int]] = set()
+        self._recent: deque[tuple[str, int, int]] = deque()
+        self._recent_set: set[tuple[str, int, int]] = set()
+
+    def admit(self, medium: str, slots: list[list[int]]) -> list[list[int]]:
+        """The slots not already outstanding or just answered; marks them outstanding."""
+        out, recent = self._outstanding, self._recent_set
+        keys = [(medium, slot, req) for slot, req in slots]
+        key_set = set(keys)
+        if len(key_set) == len(keys) and out.isdisjoint(key_set) and recent.isdisjoint(key_set):
+            out.update(key_set)
+            return slots
+        fresh, seen = [], set()
+        for row, key in zip(slots, keys, strict=True):
+            if key not in out and key not in recent and key not in seen:
+                fresh.append(row)
+                seen.add(key)
+        out.update(seen)
+        return fresh
+
+    def settle(self, requests: Iterable[SlotRequests], answered: bool = True) -> None:
+        """These slot requests are answered (remembered for a while: a repeat of one is
+        dropped) or dropped (a student may ask for them again: quarantine, purge)."""
+        out, recent, recent_set = self._outstanding, self._recent, self._recent_set
+        for request in requests:
+            medium = request.medium
+            keys = [(medium, slot, req) for slot, req in request.slots]
+            out.difference_update(keys)
+            if answered:
+                recent.extend(keys)
+                recent_set.update(keys)
+        while len(recent) > RECENTLY_SETTLED:
+            recent_set.discard(recent.popleft())

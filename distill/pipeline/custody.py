@@ -1,0 +1,286 @@
+"""What a pool does about slots whose fill is in other hands, or lost.
+
+A PENDING slot waits on someone: the broker (and a worker it picked), a worker asked
+directly (DIRECT, ``notices.py``), or a writer known to claim the slot. This module
+decides what happens when that someone does not come through:
+
+- DISCARDED, DECLINED, a failed fill: asked for again, unless a live writer claims the
+  slot (asking again could put a second writer on it; ``worker/claims.py``);
+- QUARANTINE (the broker gave up on a worker that may still write): slots it claims are
+  taken out of use until it is done or gone, their requests asked for in other slots;
+  slots it never claimed are asked for again at once, with new fills, so it can no
+  longer write them;
+- a broker restart: the same, for everything the broker held;
+- the pending deadline: a slot PENDING past ``deadline_s()``, once the pool has made
+  progress without it (or after ``STALL_DEADLINES`` deadlines without any), is looked
+  at once: a commit whose notice never came is taken, a wrong one refused, a live
+  writer's claim waited on, anything else asked for again; one log line per kind and
+  interval;
+- the fair share: no writer may claim more than ``ceil(slots / max(2, writers seen))``
+  of the pool's slots at once (the segment header's ``max_claims``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from distill.pipeline.delivery import BACKOFF_MAX_S
+from distill.pipeline.liveness import process_alive, writer_alive
+from distill.pipeline.slot import check_slot, read_claim
+from distill.pipeline.slots import PENDING, QUARANTINED, Route, SlotRecord
+from distill.pipeline.throttle import LogThrottle
+
+if TYPE_CHECKING:
+    from distill.pipeline.pool import SlotPool
+
+log = logging.getLogger(__name__)
+
+DEADLINE_LATENCIES = 8
+"""An automatic pending deadline is this many times the typical fill time ..."""
+DEADLINE_HEARTBEATS = 2
+"""... and at least this many times the broker's liveness window (interval x liveness)."""
+MAX_DEADLINE_DOUBLINGS = 4
+"""A slot found overdue n times in a row is looked at again 2**n deadlines after its request
+(at most 2**4)."""
+STALL_DEADLINES = 4
+"""A slot counts as overdue once a fill asked after it has been accepted (the pool makes
+progress without it); with no progress at all (no worker yet, a slow start), only after
+``STALL_DEADLINES`` deadlines: asking again sooner would only pile requests up at the
+broker."""
+WRITER_WINDOW_HEARTBEATS = 30
+"""Writers whose commits came within this many heartbeat intervals count for the fair share."""
+
+
+class Custody:
+    """The waiting side of one pool (see module docstring)."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self.share = 0
+        """The fair share last written into the segment header (``max_claims``)."""
+        self._failure_logged = 0.0
+        self._overdue_log = LogThrottle(log, burst=4)
+
+    # ------------------------------------------------------------------ answers
+    def on_discarded(self, generation: int, rows: list[list[int]]) -> None:
+        """Fills the broker dropped (stale) or a worker would not make: asked for again,
+        unless a live writer claims the slot. The broker's generation is the leader's: noted."""
+        pool = self.pool
+        pool.note_generation(generation)
+        for slot, req in rows:
+            record = pool.slots.pending(slot, req)
+            if record is not None:
+                pool.counts["discarded"] += 1
+                pool.delivery.wait_or_ask(record, "discarded")
+
+    def on_refused(self, rows: list[list[int]], reason: str) -> None:
+        """The broker is over a limit and did not queue these requests: back off, ask again."""
+        pool = self.pool
+        again = [record for slot, req in rows if (record := pool.slots.pending(slot, req)) is not None]
+        pool.counts["refused"] += len(again)
+        if time.monotonic() - self._failure_logged > 5:
+            self._failure_logged = time.monotonic()
+            log.warning("%s: broker refused %d request(s) (%s); asking again after a pause",
+                        pool.peer_id, len(again), reason)
+        time.sleep(BACKOFF_MAX_S)
+        pool.slots.to_send.extend(record.idx for record in again)
+
+    def on_declined(self, rows: list[list[int]], reason: str) -> None:
+        """A worker will not fill these DIRECT slots: the broker gets them, same request ids."""
+        pool = self.pool
+        for slot, req in rows:
+            if self.settle_late(slot, req):
+                continue
+            record = pool.slots.pending(slot, req)
+            if record is not None and record.route is Route.DIRECT:
+                pool.counts["declined"] += 1
+                if not pool.delivery.left_to_writer(record, pool.medium.slot_view(slot)):
+                    pool.resend(record)
+        log.debug("%s: %d direct request(s) declined: %s", pool.peer_id, len(rows), reason)
+
+    def on_quarantine(self, rows: list[list[int]], process: str | None, *, direct: bool = False) -> None:
+        """A worker declared dead may still write these slots: those it has claimed stay
+        out of use (their samples are asked for in other slots); those it never claimed
+        are asked for again at once (it can no longer write them: their fill changes).
+        With ``direct``, the same for what we asked of it by DIRECT."""
+        pool = self.pool
+        if direct and process is not None:
+            self._quarantine_direct(process)
+        if not rows:
+            return
+        remote = process_alive(process) is None
+        taken = 0
+        for slot, req in rows:
+            record = pool.slots.pending(slot, req)
+            if record is None:
+                continue
+            claim, fill = read_claim(pool.medium.slot_view(slot))
+            if remote or not claim or fill != req or writer_alive(claim) is False:
+                # Not being written: over the network medium a remote writer reaches our
+                # slots only through receive(), which takes data for pending requests only.
+                pool.counts["discarded"] += 1
+                pool.ask_again(record, keep_request=True)
+                continue
+            pool.unsend(record)
+            pool.slots.quarantine(record, claim)
+            taken += 1
+        if taken:
+            self._quarantined(taken, "their worker stopped answering and may still write them")
+
+    def _quarantine_direct(self, process: str) -> None:
+        """Slots asked of a silent worker by DIRECT: those it claimed are out of use until it
+        answers them late (``settle_late``) or is gone; the rest are asked for again. No
+        more requests go to its lane."""
+        pool = self.pool
+        taken = 0
+        for record in pool.slots.records:
+            if record.lane is not None and record.lane[1] == process:
+                record.lane = None
+            if record.state is not PENDING or record.route is not Route.DIRECT or record.holder != process:
+                continue
+            claim, fill = read_claim(pool.medium.slot_view(record.idx))
+            if claim and fill == record.request_id and writer_alive(claim) is not False:
+                pool.unsend(record)
+                pool.slots.quarantine(record, process, late_request=record.request_id)
+                taken += 1
+            else:
+                pool.ask_again(record, keep_request=True)
+        if taken:
+            self._quarantined(taken, "asked of a silent worker directly")
+
+    def _quarantined(self, count: int, why: str) -> None:
+        pool = self.pool
+        pool.counts["quarantined"] += count
+        usable = sum(record.state is not QUARANTINED for record in pool.slots.records)
+        log.warning("%s: %d slot(s) quarantined (%s); %d of %d slots left in use", pool.peer_id, count, why,
+                    usable, len(pool.slots))
+        pool.reissue_now()
+
+    def settle_late(self, slot: int, req: int) -> bool:
+        """A late answer (notice or DECLINED) of a worker to a DIRECT whose slot we had
+        quarantined: that worker is done with the slot, which goes back into use (its
+        sample was asked for elsewhere and is not used). True when it was one."""
+        record = self.pool.slots.record(slot)
+        if record is None or record.state is not QUARANTINED or not record.late_request \
+                or record.late_request != req:
+            return False
+        self._unquarantine(record)
+        return True
+
+    def on_release(self, rows: list[list[int]]) -> None:
+        """The worker's late DONE: it is done with these slots."""
+        for slot, _req in rows:
+            record = self.pool.slots.record(slot)
+            if record is not None and record.state is QUARANTINED:
+                self._unquarantine(record)
+
+    def _unquarantine(self, record: SlotRecord) -> None:
+        record.late_request = 0
+        self.pool.counts["released"] += 1
+        self.pool.ask([record.idx])
+
+    def on_broker_restart(self, pending: list[SlotRecord]) -> None:
+        """The broker forgot what it held: slots a live writer claims are left to it; the
+        others are asked for with new requests (a WORK of the old broker still waiting in
+        a worker's socket then finds another fill in the slot and writes nothing), their
+        requests re-issued in the next slots asked."""
+        for record in pending:
+            if record.state is PENDING and record.route is Route.BROKER:
+                self.pool.delivery.wait_or_ask(record, "lost with the broker", keep_request=True)
+
+    # ------------------------------------------------------------------ once per heartbeat
+    def beat_checks(self, now: float) -> None:
+        """Quarantined slots whose writer is gone come back; DIRECT or WRITER slots whose
+        holder is gone go to the broker; overdue PENDING slots are looked at; the fair
+        share is brought up to date."""
+        pool = self.pool
+        alive: dict[Any, bool] = {}
+        overdue: list[SlotRecord] = []
+        deadline = self.deadline_s()
+        stalled = now - STALL_DEADLINES * deadline
+        progress = pool.delivery.progress_asked
+        for record in pool.slots.records:
+            state = record.state
+            if state is QUARANTINED:
+                if not _holder_alive(record.holder, alive):
+                    self._unquarantine(record)
+            elif state is PENDING:
+                if record.route is not Route.BROKER and not _holder_alive(record.holder, alive):
+                    pool.resend(record)
+                elif (now - record.asked > deadline * 2 ** min(record.overdue, MAX_DEADLINE_DOUBLINGS)
+                      and (record.asked < progress or record.asked < stalled)):
+                    overdue.append(record)
+        if overdue:
+            self._look_at_overdue(overdue, now)
+        self.update_share()
+
+    def _look_at_overdue(self, records: list[SlotRecord], now: float) -> None:
+        """PENDING past their deadline: take a commit whose notice never came, refuse a
+        wrong one, leave a live writer's claim alone, ask again for the rest."""
+        pool = self.pool
+        delivery = pool.delivery
+        pool.counts["overdue"] += len(records)
+        asked, waiting, taken = [], 0, 0
+        for record in records:
+            record.overdue += 1
+            view = pool.medium.slot_view(record.idx)
+            header = pool.headers.header(record.idx)
+            if header is not None and header.request_id == record.request_id:
+                if check_slot(view, header.generation, record.request_id, pool.payload_bytes) is None:
+                    delivery.accept([record], header.generation)  # committed; its notice was lost
+                    taken += 1
+                else:
+                    delivery.refuse(record, header.generation, notice=False)
+                continue
+            if delivery.left_to_writer(record, view):  # looked at again 2**overdue deadlines after its ask
+                waiting += 1
+                continue
+            asked.append(record)
+        if taken:
+            self._overdue_log.warning("%s: %d slot(s) committed but never announced; taken", pool.peer_id, taken)
+        if waiting:
+            self._overdue_log.warning("%s: %d slot(s) overdue are still being written by a live writer; "
+                                      "waiting on it", pool.peer_id, waiting)
+        if asked:
+            self._overdue_log.warning("%s: %d slot(s) pending for more than %.1fs with nobody writing them "
+                                      "(a lost or unanswered request); asking again", pool.peer_id, len(asked),
+                                      self.deadline_s())
+            for record in asked:
+                pool.ask_again(record, keep_request=True)  # keeps its overdue count: the next wait doubles
+
+    def deadline_s(self) -> float:
+        """How long a slot may stay PENDING (``PoolConfig.pending_deadline_s``)."""
+        pool = self.pool
+        if pool.config.pending_deadline_s is not None:
+            return pool.config.pending_deadline_s
+        heart = pool.heart
+        floor = DEADLINE_HEARTBEATS * heart.interval_s * heart.liveness
+        return max(floor, DEADLINE_LATENCIES * (pool.delivery.latency_s or 0.0))
+
+    def update_share(self) -> None:
+        """Write the fair share of one writer into the segment header (``max_claims``)."""
+        pool = self.pool
+        writers = pool.delivery.writers
+        window = WRITER_WINDOW_HEARTBEATS * pool.heart.interval_s
+        now = time.monotonic()
+        for writer in [w for w, seen in writers.items() if now - seen > window]:
+            del writers[writer]
+        share = math.ceil(len(pool.slots) / max(2, len(writers)))
+        if share != self.share:
+            self.share = share
+            pool.medium.set_max_claims(share)
+
+    def direct_share(self) -> int:
+        """Slots one worker may hold by DIRECT: its share among the writers seen."""
+        return math.ceil(len(self.pool.slots) / max(1, len(self.pool.delivery.writers)))
+
+
+def _holder_alive(holder: str | int | None, alive: dict[Any, bool]) -> bool:
+    """Whether a slot's holder (a process token or a writer id) may still write it."""
+    if holder not in alive:
+        state = writer_alive(holder) if isinstance(holder, int) else process_alive(holder)
+        alive[holder] = state is not False
+    return alive[holder]

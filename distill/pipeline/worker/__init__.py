@@ -1,0 +1,13 @@
+"""The worker: fills student slots on request (see ``loop.py``).
+
+Cut by responsibility: ``loop.py`` (sockets, heartbeats, models, DONE), ``fill.py``
+(WORK items -> claimed targets -> the sample function), ``commit.py`` (headers over
+standing claims), ``claims.py`` (one writer per slot fill), ``segments.py`` (mapped
+segments, checked against their own headers), ``direct.py`` (the request lane) and
+``config.py`` (:class:`WorkerConfig`).
+"""
+
+from distill.pipeline.worker.config import BatchFn, GeneratorFn, SlotTarget, WorkerConfig
+from distill.pipeline.worker.loop import Worker
+
+__all__ = ["BatchFn", "GeneratorFn", "SlotTarget", "Worker", "WorkerConfig"]

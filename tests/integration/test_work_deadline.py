@@ -1,0 +1,84 @@
+"""Group 6 of the hardening issue (broker side): a WORK that never comes back has a deadline.
+
+A worker whose batch function hangs keeps heartbeating from its own thread, so the
+broker never declared it silent: it held its slots for ever, and nothing was logged.
+Now its oldest WORK is timed against ten times its model's slowest recent batch (at
+least ten heartbeats), and past that the worker is quarantined like a silent one, with
+one log line that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from distill.pipeline import Broker, StudentClient, Worker, setup_logging
+from distill.pipeline.broker.config import WORK_TIMEOUT_MIN_BEATS
+from distill.pipeline.worker import SlotTarget
+from tests import peers
+
+pytestmark = pytest.mark.timeout(90)
+HEARTBEAT_S = 0.2
+
+
+def run_hanging_worker(endpoints: dict[str, str], hang_after: int, busy_file: str) -> None:
+    """A worker whose first ``hang_after`` batches are quick and whose next one never returns."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    batches = [0]
+
+    def batch_fn(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        batches[0] += 1
+        if batches[0] > hang_after:
+            with open(busy_file, "w") as f:
+                f.write(str(len(targets)))
+            time.sleep(600)
+        peers.fill_targets(model_id, model_cfg, targets)
+
+    Worker(batch_fn=batch_fn, batch_config=peers.batch_config(), max_batch=2, direct_requests=False,
+           backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+           heartbeat_interval_s=HEARTBEAT_S).run()
+
+
+def test_a_worker_whose_batch_hangs_is_quarantined_at_the_derived_deadline(procs, endpoints, broker_kwargs,
+                                                                          tmp_path, caplog) -> None:
+    busy_file = tmp_path / "hanging"
+    caplog.set_level(logging.WARNING, logger="distill.pipeline.broker")
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=HEARTBEAT_S).start()
+    procs.start(run_hanging_worker, endpoints, 2, str(busy_file), name="hanging-worker")
+    good = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
+                  direct_requests=False, backend_endpoint=endpoints["backend"],
+                  control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=HEARTBEAT_S)
+    try:
+        with StudentClient(0, 12, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"], heartbeat_interval_s=HEARTBEAT_S,
+                           direct_requests=False) as client:
+            client.hello()
+            generation = client.set_model("m")
+            deadline = time.monotonic() + 60
+            while broker.stats.workers < 1:  # the hanging worker takes the first WORKs alone
+                assert time.monotonic() < deadline, "the hanging worker never joined"
+                time.sleep(0.05)
+            seen = peers.consume_verified(client, generation, 3)  # of its first two batches (2 slots each)
+            while not busy_file.exists():
+                assert time.monotonic() < deadline, "the worker never got to its hanging batch"
+                time.sleep(0.02)
+            hung_at = time.monotonic()
+            good.start()
+            while broker.stats.quarantined == 0:
+                assert time.monotonic() - hung_at < 8, "the hanging worker's slots were never quarantined"
+                seen = peers.consume_verified(client, generation, len(seen) + 1, seen=seen, timeout_ms=10_000)
+            waited = time.monotonic() - hung_at
+            peers.consume_verified(client, generation, len(seen) + 30, seen=seen)  # served on by the good worker
+        stats = broker.stats
+        assert stats.overdue == 1 and stats.quarantined >= 1, stats
+        assert WORK_TIMEOUT_MIN_BEATS * HEARTBEAT_S <= waited < 8
+        lines = [r.getMessage() for r in caplog.records if "past its deadline" in r.getMessage()]
+        assert len(lines) == 1 and "10 heartbeats" in lines[0], lines
+    finally:
+        good.stop()
+        broker.stop()
