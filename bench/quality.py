@@ -1,7 +1,8 @@
 """Distillation quality against cost: every replacement kind and an automatic hybrid, over seeds.
 
-For each kind (``replacement=`` linear_attention, mlp, pruned, lowrank, copy, and ``hybrid``:
-linear attention with ``student.hybrid.keep_softmax=1``) and each seed (``student.seed``: the
+For each kind (``replacement=`` linear_attention, sliding_window_linear,
+gated_linear_attention, mlp, pruned, lowrank, copy, and ``hybrid``: linear attention with
+``student.hybrid.keep_softmax=1``) and each seed (``student.seed``: the
 replacements' init and the order of the training samples), this runs the real application
 (``python -m distill mode=local``: broker, teacher workers, a student rank) with the default
 settings, on the tiny Llama (``--teacher llama``: held-out perplexity) or the pre-trained tiny
@@ -51,7 +52,8 @@ from distill.replacements import describe
 log = logging.getLogger("bench.quality")
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("linear_attention", "mlp", "pruned", "lowrank", "copy", "hybrid")
+KINDS = ("linear_attention", "sliding_window_linear", "gated_linear_attention", "mlp", "pruned", "lowrank",
+         "copy", "hybrid")
 HYBRID = ("linear_attention", ["student.hybrid.keep_softmax=1"])
 """The hybrid row: its replacement and the overrides that make it a hybrid."""
 TEACHERS = {"llama": [], "bert": ["teacher=tiny_bert"]}
