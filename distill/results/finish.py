@@ -74,7 +74,7 @@ def finish_run(ctx: StudentContext) -> None:
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
-                          ctx.timings, decode, hybrid=hybrid)
+                          ctx.timings, hybrid=hybrid, decode=decode)
     write_result(ctx.out_dir, {
         "summary": summary, "eval": result.to_dict() if result else None, "decode": decode,
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,

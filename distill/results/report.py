@@ -163,6 +163,7 @@ def write_report(
     describe_rows: dict[int, dict],
     config_summary: dict,
     timings: dict[str, float] | None = None,
+    *,
     hybrid: dict | None = None,
     decode: dict | None = None,
 ) -> str:
