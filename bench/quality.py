@@ -1,8 +1,9 @@
 """Distillation quality against cost: every replacement kind and an automatic hybrid, over seeds.
 
 For each kind (``replacement=`` linear_attention, sliding_window_linear,
-gated_linear_attention, mlp, pruned, lowrank, copy, and ``hybrid``: linear attention with
-``student.hybrid.keep_softmax=1``) and each seed (``student.seed``: the
+gated_linear_attention, mlp, pruned, lowrank, copy, and the automatic hybrids
+``student.hybrid.keep_softmax=1``: ``hybrid`` with linear attention, ``hybrid_sliding`` with
+sliding_window_linear) and each seed (``student.seed``: the
 replacements' init and the order of the training samples), this runs the real application
 (``python -m distill mode=local``: broker, teacher workers, a student rank) with the default
 settings, on the tiny Llama (``--teacher llama``: held-out perplexity) or the pre-trained tiny
@@ -52,10 +53,10 @@ from distill.replacements import describe
 log = logging.getLogger("bench.quality")
 
 ROOT = Path(__file__).resolve().parent.parent
+HYBRIDS = {"hybrid": "linear_attention", "hybrid_sliding": "sliding_window_linear"}
+"""The automatic-hybrid rows (``student.hybrid.keep_softmax=1``) and the replacement they convert with."""
 KINDS = ("linear_attention", "sliding_window_linear", "gated_linear_attention", "mlp", "pruned", "lowrank",
-         "copy", "hybrid")
-HYBRID = ("linear_attention", ["student.hybrid.keep_softmax=1"])
-"""The hybrid row: its replacement and the overrides that make it a hybrid."""
+         "copy", *HYBRIDS)
 TEACHERS = {"llama": [], "bert": ["teacher=tiny_bert"]}
 CONTEXTS = (128, 8192)
 ATTEMPTS = 3
@@ -78,7 +79,9 @@ class Run:
 
 def kind_overrides(kind: str) -> tuple[str, list[str]]:
     """(replacement option, extra overrides) of a table row."""
-    return HYBRID if kind == "hybrid" else (kind, [])
+    if kind in HYBRIDS:
+        return HYBRIDS[kind], ["student.hybrid.keep_softmax=1"]
+    return kind, []
 
 
 def run_app(name: str, overrides: list[str], work: Path, timeout_s: float) -> None:
