@@ -132,11 +132,12 @@ def stack_cost(kind: str, teacher: Teacher, converted: list[int], seq_len: int) 
     return params / teacher_params, flops / teacher_flops
 
 
-def _spread(values: list[float]) -> str:
-    """median [min-max] of the seeds (just the value for one seed)."""
+def _spread(values: list[float], fmt: str = ".4g") -> str:
+    """median [min-max] of the seeds (just the value for one seed); cosines near 1 need
+    ``fmt=".5f"`` to differ."""
     if len(values) == 1:
-        return f"{values[0]:.4g}"
-    return f"{statistics.median(values):.4g} [{min(values):.4g}-{max(values):.4g}]"
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
 def recovered(run: Run, lm: bool) -> float | None:
@@ -168,8 +169,9 @@ def table(rows: dict[str, list[Run]], lm: bool) -> str:
         converted = sorted({tuple(r.converted) for r in runs})
         costs = [tuple(statistics.median(x) for x in zip(*(stack_cost(kind, teacher, r.converted, c) for r in runs),
                                                          strict=True)) for c in CONTEXTS]
-        cells = [kind, str(len(runs)), _spread(students), f"{statistics.median(gaps):+.1f}%",
-                 _spread(after) if after else "–",
+        fmt = ".4g" if lm else ".5f"
+        cells = [kind, str(len(runs)), _spread(students, fmt), f"{statistics.median(gaps):+.{1 if lm else 3}f}%",
+                 _spread(after, fmt) if after else "–",
                  f"{statistics.median(shares):.0%}" if shares else "–",
                  *([] if lm else [_spread([r.identity for r in runs if r.identity is not None])]),
                  " / ".join(",".join(map(str, c)) for c in converted),
