@@ -20,12 +20,19 @@ RUN_TIMEOUT_S = 300
 def _tiny(tmp_path: Path, layers: int = 3) -> list[str]:
     return [
         f"teacher.tiny.num_layers={layers}", "teacher.tiny.hidden_size=32", "teacher.tiny.num_heads=2",
-        "teacher.tiny.vocab_size=300", "teacher.tiny.train_steps=30", f"teacher.cache_dir={tmp_path / 'cache'}",
+        "teacher.tiny.vocab_size=300", "teacher.tiny.train_steps=30", f"teacher.cache_dir={shared_tiny_cache(tmp_path)}",
         "data.seq_len=32", "data.max_heldout_chunks=8", "student.micro_batch_size=4",
         "student.log_every_steps=2", "pipeline.slot_count=8", "pipeline.heartbeat_interval_s=0.5",
         "local.num_workers=2", "local.num_students=2", "log_level=INFO",
         "student.e2e.steps=0",  # tests that need the end-to-end stage turn it on
     ]
+
+
+def shared_tiny_cache(tmp_path: Path) -> Path:
+    """The test session's tiny-teacher cache, beside every test's own tmp_path: each tiny
+    shape is built once per session (5-9 s each; the cache's own lock serialises the first
+    build) instead of once per test."""
+    return tmp_path.parent / "tiny-cache"
 
 
 def _cmd(overrides: list[str], run_dir: Path) -> list[str]:
@@ -77,7 +84,7 @@ def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) ->
 
 def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    overrides = [*_tiny(tmp_path), "run_id=e2ellama", "student.steps_per_stage=120",
+    overrides = [*_tiny(tmp_path), "run_id=e2ellama", "student.steps_per_stage=60",
                  "student.checkpoint_every_steps=10", f"checkpoint_dir={ckpt}"]
     first = subprocess.Popen(_cmd(overrides, tmp_path / "run1"), cwd=tmp_path, env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,13 +15,15 @@ import pytest
 
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install -e .[sweep]")
 
+from tests.integration.test_app import shared_tiny_cache  # noqa: E402
+
 SWEEP_TIMEOUT_S = 300
 
 
 def _tiny(tmp_path: Path, sock_dir: Path) -> list[str]:
     return [
         "teacher.tiny.num_layers=2", "teacher.tiny.hidden_size=32", "teacher.tiny.num_heads=2",
-        "teacher.tiny.vocab_size=300", "teacher.tiny.train_steps=30", f"teacher.cache_dir={tmp_path / 'cache'}",
+        "teacher.tiny.vocab_size=300", "teacher.tiny.train_steps=30", f"teacher.cache_dir={shared_tiny_cache(tmp_path)}",
         "data.seq_len=32", "data.max_heldout_chunks=8", "student.micro_batch_size=4",
         "student.steps_per_stage=6", "student.loader_workers=0", "pipeline.slot_count=8",
         "pipeline.heartbeat_interval_s=0.5", f"pipeline.socket_dir={sock_dir}", "log_level=INFO",
