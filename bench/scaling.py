@@ -2,7 +2,8 @@
 
 Teacher-bound on purpose, on a machine without GPUs: each worker's batch function
 sleeps ``--delay-ms`` (default 50) per batch of ``--max-batch`` slots (default 8) and
-then writes the samples, like a GPU teacher whose forward costs the host no CPU. One
+then writes the samples, like a GPU teacher whose forward costs the host no CPU
+(``--per-sample``: that long per sample of the batch, a GPU that is saturated). One
 worker can then deliver at most ``max_batch / delay`` samples/s (160/s with the
 defaults), and N workers N times that, as long as the students take them.
 
@@ -22,6 +23,7 @@ Run it from the repository root::
 
     flock /tmp/distill-cpu.lock python bench/scaling.py                 # about 1 minute
     flock /tmp/distill-cpu.lock python bench/scaling.py --students 2
+    flock /tmp/distill-cpu.lock python bench/scaling.py --per-sample --delay-ms 10 --max-batch 32 --slots 64
     python bench/scaling.py --quick                                     # smoke run
 """
 
@@ -57,20 +59,20 @@ class SleepingTeacher:
     """A batch function that sleeps (the teacher's forward on a GPU) and then writes,
     counting in shared memory the samples this worker wrote."""
 
-    def __init__(self, delay_s: float, written) -> None:
-        self.delay_s, self.written = delay_s, written
+    def __init__(self, delay_s: float, per_sample: bool, written) -> None:
+        self.delay_s, self.per_sample, self.written = delay_s, per_sample, written
 
     def __call__(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s * len(targets) if self.per_sample else self.delay_s)
         for target in targets:
             target.tensors["x"].fill_(float(target.request_id & 0xFFFF))
         self.written.value += len(targets)  # this process alone writes it
 
 
-def run_worker(parent_pid: int, ready, endpoints: dict[str, str], delay_s: float, max_batch: int,
-               written) -> None:
+def run_worker(parent_pid: int, ready, endpoints: dict[str, str], delay_s: float, per_sample: bool,
+               max_batch: int, written) -> None:
     child_init(parent_pid)
-    worker = Worker(batch_fn=SleepingTeacher(delay_s, written), batch_config=batch_config(), max_batch=max_batch,
+    worker = Worker(batch_fn=SleepingTeacher(delay_s, per_sample, written), batch_config=batch_config(), max_batch=max_batch,
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leaves with BYE
     ready.set()
@@ -107,14 +109,14 @@ class Phase:
 class Pool:
     """The workers of the run: started and stopped one at a time."""
 
-    def __init__(self, endpoints: dict[str, str], delay_s: float, max_batch: int) -> None:
-        self.endpoints, self.delay_s, self.max_batch = endpoints, delay_s, max_batch
+    def __init__(self, endpoints: dict[str, str], delay_s: float, per_sample: bool, max_batch: int) -> None:
+        self.endpoints, self.delay_s, self.per_sample, self.max_batch = endpoints, delay_s, per_sample, max_batch
         self.live: list[tuple[Children, object]] = []
 
     def resize(self, count: int) -> None:
         while len(self.live) < count:
             kids, written = Children(), SPAWN.Value("q", 0, lock=False)
-            kids.start(run_worker, self.endpoints, self.delay_s, self.max_batch, written)
+            kids.start(run_worker, self.endpoints, self.delay_s, self.per_sample, self.max_batch, written)
             self.live.append((kids, written))
         while len(self.live) > count:
             kids, _ = self.live.pop()
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--students", type=int, default=1, choices=(1, 2), help="DDP ranks of the run")
     parser.add_argument("--slots", type=int, default=128, help="slots per student")
     parser.add_argument("--delay-ms", type=float, default=50.0, help="each worker's sleep per batch")
+    parser.add_argument("--per-sample", action="store_true",
+                        help="sleep --delay-ms per sample of the batch (a saturated GPU), not per batch")
     parser.add_argument("--max-batch", type=int, default=8, help="slots per worker batch")
     parser.add_argument("--seconds", type=float, default=None, help="measuring window per phase (default 4, quick 1.5)")
     parser.add_argument("--settle", type=float, default=2.0, help="wait after each change of workers")
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = {name: f"ipc://{sock_dir}/{name}.sock" for name in ("frontend", "backend", "control", "control_pub")}
     delivered = [SPAWN.Value("q", 0, lock=False) for _ in range(args.students)]
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    pool = Pool(endpoints, args.delay_ms / 1000, args.max_batch)
+    pool = Pool(endpoints, args.delay_ms / 1000, args.per_sample, args.max_batch)
     try:
         with Children() as fixed:
             fixed.start(run_broker, endpoints)
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(results: list[Phase], args: argparse.Namespace, seconds: float, load_before: float,
                  total_s: float) -> None:
     one = results[0].per_s
-    print(f"distill scaling benchmark: workers sleeping {args.delay_ms:g} ms per batch of {args.max_batch} "
+    per = "sample" if args.per_sample else "batch"
+    print(f"distill scaling benchmark: workers sleeping {args.delay_ms:g} ms per {per}, batches of {args.max_batch} "
           f"(4 KiB samples), {args.students} student rank(s) x {args.slots} slots, request_sample/release_slot; "
           f"{os.cpu_count()} CPUs; {seconds:g} s per phase after {args.settle:g} s; load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
@@ -190,7 +195,8 @@ def _print_table(results: list[Phase], args: argparse.Namespace, seconds: float,
         ideal = phase.workers * one
         print(f"{phase.workers:>7} | {phase.per_s:>9.1f} | {ideal:>7.1f} | {phase.per_s / ideal:>5.2f} | "
               f"{' '.join(str(n) for n in phase.per_worker)}")
-    print(f"\ntheoretical one-worker rate {1000 * args.max_batch / args.delay_ms:.0f} samples/s; total {total_s:.0f} s")
+    best = 1000 / args.delay_ms * (1 if args.per_sample else args.max_batch)
+    print(f"\ntheoretical one-worker rate {best:.0f} samples/s; total {total_s:.0f} s")
 
 
 if __name__ == "__main__":

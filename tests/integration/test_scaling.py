@@ -113,3 +113,35 @@ def test_a_worker_three_times_slower_makes_about_a_quarter(procs, endpoints, bro
     share = made[slow.pid] / sum(made.values())
     assert set(made) == {fast.pid, slow.pid}
     assert 0.15 <= share <= 0.35, f"the slow worker made {made[slow.pid]} of {sum(made.values())} samples"
+
+
+@pytest.mark.parametrize(("per_sample", "delay_s", "batch", "slots"), [
+    (False, 0.05, 8, 32),  # 50 ms per batch of 8: 160 samples/s a worker; two batches each in the slots
+    (True, 0.01, 32, 16),  # 10 ms per sample, the default max_batch: 100 samples/s a worker
+], ids=["per-batch", "per-sample"])
+def test_two_teacher_bound_workers_deliver_1_7_times_one(procs, endpoints, broker_kwargs, per_sample: bool,
+                                                          delay_s: float, batch: int, slots: int) -> None:
+    """Teacher-bound: each worker's fill sleeps (no CPU, like a GPU teacher), and a second
+    worker added to the running student must raise the delivered rate to >= 1.7x the
+    first's alone (2x is ideal; the rest is noise). ``per-sample`` is the case of the
+    issue: before the fix the first worker takes every slot into each batch and the
+    second idles (1.0x). The full curve, N = 1..8 and workers removed, is
+    ``bench/scaling.py``."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=BEAT_S).start()
+    procs.start(peers.run_sleeping_worker, endpoints, delay_s, batch, BEAT_S, per_sample, name="first")
+    try:
+        with StudentClient(0, slots, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"], heartbeat_interval_s=BEAT_S) as client:
+            client.hello()
+            generation = client.set_model("rate")
+            seen: set[int] = set()
+            _take_until(client, generation, seen, lambda: broker.stats.workers == 1)
+            _take_for(client, generation, 0.5, seen)
+            one = len(_take_for(client, generation, 1.5, seen)) / 1.5
+            procs.start(peers.run_sleeping_worker, endpoints, delay_s, batch, BEAT_S, per_sample, name="second")
+            _take_until(client, generation, seen, lambda: broker.stats.workers == 2)
+            _take_for(client, generation, 0.5, seen)
+            two = len(_take_for(client, generation, 1.5, seen)) / 1.5
+    finally:
+        broker.stop()
+    assert two >= 1.7 * one, f"one worker {one:.0f} samples/s, two {two:.0f}"
