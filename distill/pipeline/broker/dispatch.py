@@ -63,7 +63,7 @@ class Dispatcher:
         workers, order = state.workers.peers, state.runs.order
         idle = 0
         while workers and idle < len(order):
-            worker = _least_loaded(workers.values())
+            worker = least_loaded(workers.values())
             if worker is None:
                 return
             run = state.runs.runs[order[0]]
@@ -232,7 +232,7 @@ class Dispatcher:
         self.state.completed_rate.add(num_rows)
 
 
-def _least_loaded(workers: Any) -> WorkerPeer | None:
+def least_loaded(workers: Any) -> WorkerPeer | None:
     """The worker with credit that is least loaded: the most credit once its DIRECT
     backlog is counted against it. A worker kept busy by students' direct requests
     still has all its broker credit; picked by credit alone it would get the slots a
