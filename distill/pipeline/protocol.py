@@ -92,7 +92,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
@@ -102,7 +102,10 @@ it asked of a silent worker directly.
 5: slot headers of version 2 (writer claims, ``slot.py``), segment headers, keyed data
 sockets (``mediums/tcp.py``) and SET_MODEL.min_generation; a version-4 worker's
 headers would be refused by every student, and a version-4 broker would refuse the
-leader's switches)."""
+leader's switches.
+6: HEARTBEAT.backlog and .workers, READY.backlog (the load that follows the workers,
+``custody.direct_share``); a version-5 student would refuse every heartbeat answer and
+take the broker for silent, a version-5 broker every worker's READY)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
