@@ -64,6 +64,12 @@ class EvalResult:
     """Each replacement spliced alone into the teacher: the error it causes by itself."""
     num_tokens: int
     """Tokens scored: predicted next tokens for "lm", all tokens for "encoder"."""
+    identity: float | None = None
+    """The teacher with every replaced layer skipped (an identity in its place): the floor
+    a replacement must beat; it shows how much work those layers do."""
+    per_layer_layer_stages: dict[int, float] | None = None
+    """After an end-to-end stage: the layer stages' replacements spliced alone (``per_layer``
+    then scores the end-to-end-trained ones, those of the exported student)."""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (per_layer keys become strings there, as JSON requires)."""
@@ -72,19 +78,26 @@ class EvalResult:
     @classmethod
     def from_dict(cls, data: dict) -> EvalResult:
         """Inverse of `to_dict`, also after a JSON round trip (string layer keys)."""
-        per_layer = {int(idx): float(value) for idx, value in data["per_layer"].items()}
+        before = data.get("per_layer_layer_stages")
         return cls(
             kind=data["kind"],
             teacher=float(data["teacher"]),
             student=float(data["student"]),
-            per_layer=per_layer,
+            per_layer=_by_int(data["per_layer"]),
             num_tokens=int(data["num_tokens"]),
+            identity=None if data.get("identity") is None else float(data["identity"]),
+            per_layer_layer_stages=None if before is None else _by_int(before),
         )
 
     @property
     def relative_gap(self) -> float:
         """student / teacher - 1: the student's ppl increase, or its cosine drop (negative)."""
         return self.student / self.teacher - 1.0
+
+
+def _by_int(values: dict) -> dict[int, float]:
+    """Per-layer values with int keys (JSON gives str ones)."""
+    return {int(idx): float(value) for idx, value in values.items()}
 
 
 # ---------------------------------------------------------------------- evaluate
@@ -146,6 +159,8 @@ def _score_batch(
     first_idx = min(replacements)
     layers = student_layers(teacher, replacements)
     totals.add_student(score(_run_layers(teacher, layers, inputs[first_idx], first_idx)))
+    skipped = student_layers(teacher, dict.fromkeys(replacements, _identity))
+    totals.add_identity(score(_run_layers(teacher, skipped, inputs[first_idx], first_idx)))
     for idx, replacement in replacements.items():
         alone_BTD = _run_layers(
             teacher, _spliced_alone(teacher, idx, replacement), inputs[idx], idx
@@ -185,6 +200,7 @@ class _Totals:
         self.num_tokens = 0
         self.teacher = 0.0
         self.student = 0.0
+        self.identity: float | None = None
         self.per_layer = dict.fromkeys(layer_idxs, 0.0)
 
     def add_teacher(self, score_sum: float, num_tokens: int) -> None:
@@ -193,6 +209,9 @@ class _Totals:
 
     def add_student(self, score_sum: float) -> None:
         self.student += score_sum
+
+    def add_identity(self, score_sum: float) -> None:
+        self.identity = (self.identity or 0.0) + score_sum
 
     def add_layer(self, idx: int, score_sum: float) -> None:
         self.per_layer[idx] += score_sum
@@ -205,11 +224,33 @@ class _Totals:
             student=self._finish(kind, self.student),
             per_layer={idx: self._finish(kind, total) for idx, total in self.per_layer.items()},
             num_tokens=self.num_tokens,
+            identity=None if self.identity is None else self._finish(kind, self.identity),
         )
 
     def _finish(self, kind: str, total: float) -> float:
         mean = total / self.num_tokens
         return _exp(mean) if kind == "lm" else mean
+
+
+def spliced_alone_kl(
+    teacher: Teacher, replacements: dict[int, nn.Module], heldout_NT: torch.Tensor, batch_size: int = 8
+) -> dict[int, float]:
+    """{l: mean per-token KL(teacher || teacher with only layer l replaced)} of the next-token
+    distribution on `heldout_NT`: how far each replacement alone moves the model's output
+    (0 for a perfect one), measured against the teacher rather than the data."""
+    if metric_kind(teacher) != "lm":
+        raise ValueError(f"spliced_alone_kl needs a teacher with an LM head; {teacher.name_or_path} has none")
+    heldout_NT = _checked_chunks(heldout_NT, batch_size, None)
+    sums, num_tokens = dict.fromkeys(replacements, 0.0), 0
+    with torch.no_grad(), _eval_mode(teacher.model, *replacements.values()):
+        for batch_BT in heldout_NT.split(batch_size):
+            inputs = _teacher_layer_inputs(teacher, batch_BT.to(teacher.device))
+            teacher_ND = inputs[-1].flatten(0, 1)
+            for idx, replacement in replacements.items():
+                alone_BTD = _run_layers(teacher, _spliced_alone(teacher, idx, replacement), inputs[idx], idx)
+                sums[idx] += _kl_sum(teacher.final_logits, teacher_ND, alone_BTD.flatten(0, 1))
+            num_tokens += batch_BT.numel()
+    return {idx: total / num_tokens for idx, total in sums.items()}
 
 
 # ---------------------------------------------------------------------- reference path
@@ -278,7 +319,12 @@ def score_student(
     return evaluate(base, replacements, heldout_NT, batch_size).student
 
 
-def student_layers(teacher: Teacher, replacements: dict[int, nn.Module]) -> list[Layer]:
+def _identity(hidden_BTD: torch.Tensor) -> torch.Tensor:
+    """A skipped layer."""
+    return hidden_BTD
+
+
+def student_layers(teacher: Teacher, replacements: dict[int, Layer]) -> list[Layer]:
     """All L layers of the student: replacements where given, teacher layers elsewhere."""
     return [replacements.get(idx, layer) for idx, layer in enumerate(teacher.layers)]
 
@@ -320,6 +366,19 @@ def _nll_sum(
         end = start + _LOGITS_CHUNK_TOKENS
         logits_NV = logits_of(hidden_ND[start:end]).float()
         total += F.cross_entropy(logits_NV, targets_N[start:end], reduction="sum").item()
+    return total
+
+
+def _kl_sum(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], teacher_ND: torch.Tensor, student_ND: torch.Tensor
+) -> float:
+    """Summed per-position KL(teacher || student) (float32) of the logits of two hidden states."""
+    total = 0.0
+    for start in range(0, len(teacher_ND), _LOGITS_CHUNK_TOKENS):
+        end = start + _LOGITS_CHUNK_TOKENS
+        logp_t_NV = F.log_softmax(logits_of(teacher_ND[start:end]).float(), dim=-1)
+        logp_s_NV = F.log_softmax(logits_of(student_ND[start:end]).float(), dim=-1)
+        total += (logp_t_NV.exp() * (logp_t_NV - logp_s_NV)).sum().item()
     return total
 
 

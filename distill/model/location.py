@@ -48,6 +48,12 @@ def read_config(name_or_path: str) -> dict[str, Any]:
     return AutoConfig.from_pretrained(str(name_or_path)).to_dict()
 
 
+def has_lm_head(name_or_path: str) -> bool:
+    """Whether the model's config names a causal-LM class (one with an LM head), as
+    :func:`distill.model.teacher.model_class` would load it."""
+    return any(str(name).endswith("ForCausalLM") for name in read_config(name_or_path).get("architectures") or [])
+
+
 def model_shape(name_or_path: str) -> tuple[int, int]:
     """(num_layers, hidden_size) of a model, read from its config, without loading weights."""
     config = read_config(name_or_path)

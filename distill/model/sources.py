@@ -27,9 +27,9 @@ def teacher_source(cfg: DictConfig) -> str:
     tiny = cfg.teacher.tiny
     shape = {"hidden_size": tiny.hidden_size, "num_layers": tiny.num_layers, "num_heads": tiny.num_heads,
              "seq_len": cfg.data.seq_len, "vocab_size": tiny.vocab_size}
-    if tiny.family == Family.bert:
-        return tiny_bert_dir(cfg.teacher.cache_dir, **shape)
     steps = {"train_steps": tiny.train_steps} if tiny.train_steps is not None else {}
+    if tiny.family == Family.bert:
+        return tiny_bert_dir(cfg.teacher.cache_dir, **shape, **steps)
     return tiny_teacher_dir(cfg.teacher.cache_dir, **shape, **steps)
 
 

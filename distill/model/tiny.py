@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     BertConfig,
+    BertForMaskedLM,
     BertModel,
     LlamaConfig,
     LlamaForCausalLM,
@@ -62,6 +63,8 @@ METRICS_FILE = "distill_tiny.json"
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+MASK_TOKEN = "<|mask|>"
+"""The tiny BERT's mask token (masked-LM pre-training); the tiny Llama has none."""
 _NUM_BYTE_TOKENS = 256
 """The byte-level alphabet every BPE vocabulary starts from."""
 
@@ -85,6 +88,38 @@ class TinyRecipe:
     lr: float
     seed: int
     recipe_version: int = RECIPE_VERSION
+
+    def digest(self) -> str:
+        """A short, stable hash of the recipe."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+BERT_RECIPE_VERSION = 1
+"""Bump when the tiny BERT's pre-training recipe changes."""
+
+BERT_TRAIN_STEPS = 800
+"""Masked-LM steps of the default tiny BERT (about a minute on 2 idle CPU cores)."""
+
+MASK_PROB = 0.15
+"""Share of tokens the masked-LM loss predicts (BERT's)."""
+
+
+@dataclass(frozen=True)
+class TinyBertRecipe:
+    """Everything that determines the cached tiny BERT; its hash names the cache dir."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    train_steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    mask_prob: float = MASK_PROB
+    recipe_version: int = BERT_RECIPE_VERSION
 
     def digest(self) -> str:
         """A short, stable hash of the recipe."""
@@ -117,59 +152,56 @@ def tiny_teacher_dir(
         hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
         vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
     )
-    _check_recipe(recipe)
-    root = _cache_root(cache_dir)
-    final_dir = os.path.join(root, f"tiny-{recipe.digest()}")
-    if os.path.isdir(final_dir):
-        return final_dir
-    os.makedirs(root, exist_ok=True)
-    with _file_lock(final_dir + ".lock"):
-        if os.path.isdir(final_dir):  # another process finished while we waited
-            return final_dir
-        _build_atomically(recipe, root, final_dir)
-    return final_dir
+    _check_recipe(recipe, rotary=True)
+    return _cached(cache_dir, f"tiny-{recipe.digest()}", lambda out_dir: _build(recipe, out_dir))
 
 
-def tiny_bert_dir(cache_dir: str | None = None, *, hidden_size: int = 128, num_layers: int = 4,
-                  num_heads: int = 4, seq_len: int = 128, vocab_size: int = 1024) -> str:
-    """A small BERT encoder built from a config (random init, seed 0) + a corpus tokenizer, cached
-    under the same root and lock as the tiny Llama."""
-    name = f"tiny-bert-h{hidden_size}-l{num_layers}-a{num_heads}-v{vocab_size}-t{seq_len}"
-    root = _cache_root(cache_dir)
-    final_dir = os.path.join(root, name)
-    if os.path.isdir(final_dir):
-        return final_dir
-    os.makedirs(root, exist_ok=True)
-    with _file_lock(final_dir + ".lock"):
-        if os.path.isdir(final_dir):
-            return final_dir
-        tokenizer = train_tokenizer(load_documents("pydoc"), vocab_size, seq_len)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = BertModel(BertConfig(
-                vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                num_attention_heads=num_heads, intermediate_size=4 * hidden_size,
-                max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0))
-        tmp = final_dir + f".tmp-{os.getpid()}"
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, final_dir)
-    return final_dir
+def tiny_bert_dir(
+    cache_dir: str | None = None,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    seq_len: int = 128,
+    vocab_size: int = 1024,
+    train_steps: int = BERT_TRAIN_STEPS,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> str:
+    """Directory of the pre-trained tiny BERT encoder (model + tokenizer), training it on first use.
+
+    Masked-LM pre-training on the *train* split of the pydoc corpus (15% of tokens picked,
+    of which 80% masked, 10% random, 10% kept, as in BERT), cached under the same root and
+    lock as the tiny Llama, in its own subdirectory tiny-bert-<hash of all arguments>. The
+    saved model is the bare ``BertModel`` encoder (its pooler deterministic from ``seed``; the
+    MLM head is dropped): what an encoder student replaces. The defaults train in about a
+    minute on 2 idle CPU cores; a randomly initialised BERT's layers barely change their
+    input (every layer ends in a LayerNorm of ``x + small``), so a student of one scores a
+    cosine of 1.0 whatever it does, while these layers do real work: ``METRICS_FILE`` records
+    the held-out cosine of the teacher with every layer skipped (``identity_cosine``).
+    """
+    recipe = TinyBertRecipe(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
+        vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
+    )
+    _check_recipe(recipe, rotary=False)
+    return _cached(cache_dir, f"tiny-bert-{recipe.digest()}", lambda out_dir: _build_bert(recipe, out_dir))
 
 
-def _check_recipe(recipe: TinyRecipe) -> None:
+def _check_recipe(recipe: TinyRecipe | TinyBertRecipe, rotary: bool) -> None:
     """Reject arguments that cannot build a teacher, naming the argument and the fix."""
-    min_vocab = _NUM_BYTE_TOKENS + 2
+    specials = _special_tokens(mask=not rotary)
+    min_vocab = _NUM_BYTE_TOKENS + len(specials)
     if recipe.vocab_size < min_vocab:
         raise ValueError(
             f"`vocab_size={recipe.vocab_size}` is too small: a byte-level BPE needs at least "
-            f"{min_vocab} (256 bytes + eos + pad)."
+            f"{min_vocab} (256 bytes + {' + '.join(specials)})."
         )
-    if recipe.hidden_size % recipe.num_heads or (recipe.hidden_size // recipe.num_heads) % 2:
+    if recipe.hidden_size % recipe.num_heads or (rotary and (recipe.hidden_size // recipe.num_heads) % 2):
         raise ValueError(
             f"`hidden_size={recipe.hidden_size}` must split into `num_heads={recipe.num_heads}` "
-            "heads of even size (rotary embeddings rotate pairs)."
+            + ("heads of even size (rotary embeddings rotate pairs)." if rotary else "heads.")
         )
     if min(recipe.num_layers, recipe.seq_len, recipe.train_steps, recipe.batch_size) < 1:
         raise ValueError("`num_layers`, `seq_len`, `train_steps` and `batch_size` must be >= 1.")
@@ -196,11 +228,25 @@ def _file_lock(lock_path: str) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _build_atomically(recipe: TinyRecipe, root: str, final_dir: str) -> None:
+def _cached(cache_dir: str | None, name: str, build: Callable[[str], None]) -> str:
+    """``<cache root>/<name>``, built by ``build(tmp_dir)`` on first use under an exclusive lock."""
+    root = _cache_root(cache_dir)
+    final_dir = os.path.join(root, name)
+    if os.path.isdir(final_dir):
+        return final_dir
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(final_dir + ".lock"):
+        if os.path.isdir(final_dir):  # another process finished while we waited
+            return final_dir
+        _build_atomically(build, root, final_dir)
+    return final_dir
+
+
+def _build_atomically(build: Callable[[str], None], root: str, final_dir: str) -> None:
     """Build into a temporary directory next to `final_dir`, then move it into place."""
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.tmp-", dir=root)
     try:
-        _build(recipe, tmp_dir)
+        build(tmp_dir)
         _make_readable(tmp_dir)
         os.replace(tmp_dir, final_dir)
     except BaseException:
@@ -240,22 +286,31 @@ def _build(recipe: TinyRecipe, out_dir: str) -> None:
         json.dump(metrics, f, indent=2)
 
 
-def train_tokenizer(docs: list[str], vocab_size: int, seq_len: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE (GPT-2 style: any text encodes, nothing is <unk>) trained on `docs`."""
+def train_tokenizer(
+    docs: list[str], vocab_size: int, seq_len: int, mask: bool = False
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style: any text encodes, nothing is <unk>) trained on `docs`;
+    with `mask`, it also has `MASK_TOKEN` (for masked-LM pre-training)."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        special_tokens=list(_special_tokens(mask)),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(docs, trainer)
+    extra = {"mask_token": MASK_TOKEN} if mask else {}
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        model_max_length=seq_len,
+        model_max_length=seq_len, **extra,
     )
+
+
+def _special_tokens(mask: bool) -> tuple[str, ...]:
+    """The special tokens of a tiny teacher's vocabulary, first in it."""
+    return (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN) if mask else (EOS_TOKEN, PAD_TOKEN)
 
 
 def _model_config(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
@@ -368,3 +423,139 @@ def heldout_loss(model: LlamaForCausalLM, chunks_NT: torch.Tensor, batch_size: i
         total += _lm_loss(model, batch_BT).item() * len(batch_BT)
     model.train(was_training)
     return total / len(chunks_NT)
+
+
+# ---------------------------------------------------------------------- the tiny BERT
+
+
+def _build_bert(recipe: TinyBertRecipe, out_dir: str) -> None:
+    """Tokenizer and masked-LM pre-training on the train split; saves the bare encoder."""
+    start_s = time.perf_counter()
+    docs = load_documents("pydoc")
+    train_docs, _ = split_documents(docs, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)
+    tokenizer = train_tokenizer(train_docs, recipe.vocab_size, recipe.seq_len, mask=True)
+    chunks = build_chunks(
+        tokenizer, docs, recipe.seq_len, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED,
+        max_heldout_chunks=_EVAL_CHUNKS,
+    )
+    config = _bert_config(recipe, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        mlm = BertForMaskedLM(config)
+        metrics = _pretrain_mlm(mlm, chunks.train_NT, chunks.heldout_NT, recipe, tokenizer.mask_token_id)
+        torch.manual_seed(recipe.seed)
+        encoder = BertModel(config)  # the pooler (which MLM does not train) from the seed
+    encoder.load_state_dict(mlm.bert.state_dict(), strict=False)
+    encoder.eval()
+    metrics["identity_cosine"] = identity_cosine(encoder, chunks.heldout_NT)
+    log.info("tiny BERT: held-out cosine of the teacher with every layer skipped %.3f",
+             metrics["identity_cosine"])
+    encoder.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    metrics.update(recipe=asdict(recipe), build_s=time.perf_counter() - start_s, pid=os.getpid())
+    with open(os.path.join(out_dir, METRICS_FILE), "w") as f:
+        json.dump(metrics, f, indent=2)
+
+
+def _bert_config(recipe: TinyBertRecipe, tokenizer: PreTrainedTokenizerFast) -> BertConfig:
+    """A BERT of the recipe's size (MLP 4 x hidden, as in BERT), without dropout."""
+    return BertConfig(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size,
+        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
+        intermediate_size=4 * recipe.hidden_size, max_position_embeddings=recipe.seq_len,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def mask_tokens(
+    batch_BT: torch.Tensor, mask_id: int, vocab_size: int, mask_prob: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs_BT, labels_BT) for masked-LM: each token is picked with `mask_prob`; a picked
+    token becomes the mask (80%), a random token (10%) or stays (10%); labels are the
+    original ids at picked positions and -100 (ignored) elsewhere."""
+    picked_BT = torch.rand(batch_BT.shape, generator=generator) < mask_prob
+    labels_BT = batch_BT.masked_fill(~picked_BT, -100)
+    roll_BT = torch.rand(batch_BT.shape, generator=generator)
+    random_BT = torch.randint(vocab_size, batch_BT.shape, generator=generator)
+    inputs_BT = batch_BT.masked_fill(picked_BT & (roll_BT < 0.8), mask_id)
+    swap_BT = picked_BT & (roll_BT >= 0.8) & (roll_BT < 0.9)
+    inputs_BT = torch.where(swap_BT, random_BT, inputs_BT)
+    return inputs_BT, labels_BT
+
+
+def _pretrain_mlm(
+    model: BertForMaskedLM, train_NT: torch.Tensor, heldout_NT: torch.Tensor,
+    recipe: TinyBertRecipe, mask_id: int,
+) -> dict:
+    """AdamW with warmup + cosine decay on masked random train chunks; held-out MLM loss
+    (with a fixed masking) before/after."""
+    loss_before = heldout_mlm_loss(model, heldout_NT, mask_id, recipe.mask_prob)
+    log.info("pre-training tiny BERT (masked LM): %d steps x %d chunks of %d tokens; held-out "
+             "loss %.3f before", recipe.train_steps, recipe.batch_size, recipe.seq_len, loss_before)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
+    generator = torch.Generator().manual_seed(recipe.seed + 1)
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
+    model.train()
+    for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
+        inputs_BT, labels_BT = mask_tokens(batch_BT, mask_id, model.config.vocab_size,
+                                           recipe.mask_prob, generator)
+        loss = model(input_ids=inputs_BT, labels=labels_BT).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
+            log.info("step %d/%d masked-LM loss %.3f (%.1f s)", step, recipe.train_steps,
+                     loss.item(), time.perf_counter() - start_s)
+    train_s, train_cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
+    model.eval()
+    loss_after = heldout_mlm_loss(model, heldout_NT, mask_id, recipe.mask_prob)
+    log.info("held-out masked-LM loss %.3f after %.1f s of pre-training", loss_after, train_s)
+    return {
+        "heldout_mlm_loss_before": loss_before,
+        "heldout_mlm_loss_after": loss_after,
+        "train_s": train_s,
+        "train_cpu_s": train_cpu_s,
+        "num_train_chunks": len(train_NT),
+        "num_heldout_chunks": len(heldout_NT),
+    }
+
+
+@torch.no_grad()
+def heldout_mlm_loss(
+    model: BertForMaskedLM, chunks_NT: torch.Tensor, mask_id: int, mask_prob: float = MASK_PROB,
+    batch_size: int = 16,
+) -> float:
+    """Mean masked-LM cross-entropy over `chunks_NT`, with the same masking on every call."""
+    if len(chunks_NT) == 0:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    total, count = 0.0, 0
+    for start in range(0, len(chunks_NT), batch_size):
+        inputs_BT, labels_BT = mask_tokens(chunks_NT[start : start + batch_size], mask_id,
+                                           model.config.vocab_size, mask_prob, generator)
+        picked = int((labels_BT != -100).sum())
+        total += model(input_ids=inputs_BT, labels=labels_BT).loss.item() * picked
+        count += picked
+    model.train(was_training)
+    return total / max(1, count)
+
+
+@torch.no_grad()
+def identity_cosine(encoder: BertModel, chunks_NT: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean per-token cosine between the encoder's final hidden state and its embeddings: the
+    score of a student whose every layer is the identity (1.0 would mean the layers do nothing)."""
+    total, count = 0.0, 0
+    for start in range(0, len(chunks_NT), batch_size):
+        batch_BT = chunks_NT[start : start + batch_size]
+        final_BTD = encoder(input_ids=batch_BT).last_hidden_state
+        embedded_BTD = encoder.embeddings(input_ids=batch_BT)
+        total += F.cosine_similarity(final_BTD, embedded_BTD, dim=-1).sum().item()
+        count += batch_BT.numel()
+    return total / max(1, count)

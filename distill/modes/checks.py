@@ -15,7 +15,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import Family, Mode, Parallel, Trainable
+from distill.config import Mode, Parallel, Trainable
 from distill.model.location import model_shape, read_config
 from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
@@ -71,6 +71,7 @@ def _check_quality_settings(cfg: DictConfig) -> None:
                          "set student.val_every_steps > 0, or patience=0")
     if student.max_tokens_per_stage is not None and student.max_tokens_per_stage < 1:
         raise ValueError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
+    _check_hybrid(cfg)
     e2e = student.e2e
     if e2e.steps <= 0:
         return
@@ -83,9 +84,26 @@ def _check_quality_settings(cfg: DictConfig) -> None:
                          "with trainable=lora, or trainable=replacements|all with fsdp")
     if e2e.loss_chunk_tokens < 1:
         raise ValueError(f"student.e2e.loss_chunk_tokens={e2e.loss_chunk_tokens} must be >= 1 (1024 is a good default)")
-    if not cfg.teacher.name_or_path and cfg.teacher.tiny.family != Family.llama:
-        raise ValueError("student.e2e.steps > 0 needs a teacher with an LM head; the tiny "
-                         f"{cfg.teacher.tiny.family} teacher has none: set student.e2e.steps=0")
+
+
+def _check_hybrid(cfg: DictConfig) -> None:
+    """An automatic hybrid needs one budget, a scoring pass, and a layer left to convert."""
+    hybrid = cfg.student.hybrid
+    if hybrid.keep_softmax is not None and hybrid.max_gap is not None:
+        raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} and student.hybrid.max_gap="
+                         f"{hybrid.max_gap} are both set: choose one (the other null)")
+    if hybrid.keep_softmax is None and hybrid.max_gap is None:
+        return
+    if hybrid.steps < 1:
+        raise ValueError(f"student.hybrid.steps={hybrid.steps} must be >= 1 (the scoring pass trains each layer)")
+    if hybrid.max_gap is not None and hybrid.max_gap <= 0:
+        raise ValueError(f"student.hybrid.max_gap={hybrid.max_gap} must be > 0 (0.02 = within 2%)")
+    if hybrid.keep_softmax is not None:
+        candidates = len(set(cfg.student.layers)) if cfg.student.layers is not None else _teacher_shape(cfg)[0]
+        if not 0 <= hybrid.keep_softmax < candidates:
+            raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
+                             f"there are {candidates} candidate layers (student.layers) and at least one "
+                             "must be converted")
 
 
 def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:

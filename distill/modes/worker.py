@@ -16,7 +16,7 @@ from distill.model.sources import load_chunks, load_tokenizer, load_worker_teach
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
 from distill.train.stages import stage_layout
-from distill.train.targets import TeacherTargets
+from distill.train.targets import TeacherTargets, sample_seed
 from distill.train.timing import TimedBatchFn, TimingWriter
 from distill.train.transport import worker_kwargs
 
@@ -28,7 +28,7 @@ def build_worker(cfg: DictConfig) -> Worker:
     teacher = load_worker_teacher(cfg)
     chunks = load_chunks(cfg, load_tokenizer(cfg))
     _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
-    targets = TeacherTargets(teacher, chunks.train_NT, cfg.data.seed)
+    targets = TeacherTargets(teacher, chunks.train_NT, sample_seed(cfg))
     timed = TimedBatchFn(targets, copy_s=lambda: targets.to_slots.copy_s)
     return Worker(batch_fn=timed, batch_config=batch_config, **worker_kwargs(cfg))
 

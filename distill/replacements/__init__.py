@@ -11,6 +11,10 @@ The options, one module each:
 - ``mlp.ResidualMLP``: a token-wise residual MLP, no token mixing at all.
 - ``linear_attention.LinearAttentionLayer``: the teacher layer with softmax attention
   swapped for linear attention with a learnable (Hedgehog) feature map.
+- ``sliding_window_linear.SlidingWindowLinearLayer``: exact softmax attention over the last
+  ``window`` positions plus linear attention over older ones, one normaliser (LoLCATs).
+- ``gated_linear_attention.GatedLinearAttentionLayer``: linear attention whose state decays by
+  a per-head gate computed from the layer input.
 - ``pruned.PrunedLayer``: the teacher layer with a narrower MLP and/or fewer KV heads.
 - ``lowrank.LowRankLayer``: the teacher layer with truncated-SVD factorised linear maps.
 
@@ -48,14 +52,15 @@ in the cache, never in the module: each layer has one cache layer, chosen by the
   ``None`` so the count still moves. Linear attention's state is ``sum_s phi(k_s) [v_s, 1]^T``
   per head (last column: the normaliser), fixed in size.
 
-Two more kinds fit this interface without changing it. Sliding-window + linear attention:
-cache type ``hybrid_sliding`` (transformers' ``LinearAttentionAndSlidingWindowAttentionLayer``:
-a W-position KV ring from ``DynamicSlidingWindowLayer.update`` plus the linear state); read
-the keys about to leave the ring before ``update`` and fold them into the linear state with
-the chunked kernel's initial-state argument. Gated linear attention: type
-``linear_attention`` with a state ``sum_s (prod_{r>s} g_r) phi(k_s) v_s^T`` whose decay
-``g_t`` is computed from the layer input; the chunked form carries the decay inside and
-across chunks, the recurrent one multiplies the state by ``g_t`` before each update.
+Sliding-window + linear attention: cache type ``hybrid_sliding`` (transformers'
+``LinearAttentionAndSlidingWindowAttentionLayer``: a KV ring from
+``DynamicSlidingWindowLayer.update``, sized by ``config.sliding_window``, plus the linear
+state); each call reads the ring's last ``window - 1`` positions before ``update``, and the
+linear state takes every key as it leaves the window (the chunked kernel's initial-state
+argument carries it). Gated linear attention: type ``linear_attention`` with a state
+``sum_s (prod_{r>s} g_r) phi(k_s) [v_s, 1]^T`` whose decay ``g_t`` is computed from the layer
+input; the chunked form carries the decay inside and across chunks, the recurrent one
+multiplies the state by ``g_t`` before each update.
 
 This module owns what replacements share: the protocol, taking a private copy of a teacher
 layer, running a layer of the teacher's class with masks and cache, and the parameter/FLOP

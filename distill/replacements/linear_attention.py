@@ -1,5 +1,8 @@
 """LinearAttentionLayer: the teacher layer with softmax attention swapped for linear attention.
 
+:class:`AttentionSwapLayer` is the part it shares with the other kinds that swap the
+teacher's attention (``sliding_window_linear``, ``gated_linear_attention``).
+
 Softmax attention costs O(T) per token; linear attention ``phi(q) . sum_s phi(k_s) v_s``
 costs O(1) per token once ``phi`` maps queries and keys to positive features. ``phi`` is
 learnable (Hedgehog, Zhang et al. 2024: a per-head linear map followed by a softmax over
@@ -56,45 +59,38 @@ _KNOWN_CHILDREN: dict[str, dict[str, set[str]]] = {
     },
 }
 
-_BLOCKS: dict[str, type[nn.Module]] = {
-    "llama": modeling_distill_llama.LinearAttentionBlock,
-    "bert": modeling_distill_bert.LinearAttentionBlock,
+_BLOCKS: dict[str, dict[str, type[nn.Module]]] = {
+    "llama": modeling_distill_llama.LINEAR_BLOCKS,
+    "bert": modeling_distill_bert.LINEAR_BLOCKS,
 }
+"""Family -> kind -> the exported student's block class."""
 
 
-class LinearAttentionLayer(nn.Module):
-    """Teacher layer ``layer_idx`` with linear attention (causal for decoders).
+class AttentionSwapLayer(nn.Module):
+    """A teacher layer rebuilt as the student's block of kind ``kind``: its attention swapped, all else copied.
 
-    Options:
-        feature_map: "hedgehog" (softmax of +/- a learned projection) or "elu"
-            (elu + 1 of a learned projection).
-        feature_dim: width of the learned projection per head; the head size when null.
-            Hedgehog doubles it (+ and - halves).
-        chunk_size: positions per chunk of the causal kernel; trades the C x C in-chunk
-            work against the number of per-chunk states kept for the backward.
+    The shared part of the linear-attention kinds (linear, sliding-window + linear, gated
+    linear): check the options and the teacher layer, copy it, build the block of the
+    exported student's modeling code around the copy. Subclasses name the kind and their options.
     """
 
-    def __init__(
-        self,
-        teacher: Teacher,
-        layer_idx: int,
-        feature_map: str = "hedgehog",
-        feature_dim: int | None = None,
-        chunk_size: int = 64,
-    ) -> None:
+    kind = "linear_attention"
+
+    def __init__(self, teacher: Teacher, layer_idx: int, feature_map: str, feature_dim: int | None,
+                 chunk_size: int, options: dict[str, Any]) -> None:
         super().__init__()
-        _check_options(teacher.family, feature_map, feature_dim, chunk_size)
+        _check_options(self.kind, teacher.family, feature_map, feature_dim, chunk_size)
         layer = copy_teacher_layer(teacher, layer_idx)
-        _check_structure(teacher.family, layer)
+        _check_structure(self.kind, teacher.family, layer)
         self.layer_idx = layer_idx
-        self.spec = {"kind": "linear_attention", "feature_map": feature_map,
-                     "feature_dim": feature_dim or _head_dim(teacher.family, layer), "chunk_size": chunk_size}
+        self.spec = {"kind": self.kind, "feature_map": feature_map,
+                     "feature_dim": feature_dim or _head_dim(teacher.family, layer), "chunk_size": chunk_size, **options}
         config = student_config(teacher, {layer_idx: self.spec}, for_export=False)
+        block_cls = _BLOCKS[teacher.family][self.kind]
         if teacher.family == "bert":
-            self.block = modeling_distill_bert.LinearAttentionBlock(config, layer_idx, layer=layer)
+            self.block = block_cls(config, layer_idx, layer=layer)
         else:
-            rotary_emb = copy.deepcopy(teacher_rotary(teacher))
-            self.block = modeling_distill_llama.LinearAttentionBlock(config, layer_idx, layer, rotary_emb)
+            self.block = block_cls(config, layer_idx, layer, copy.deepcopy(teacher_rotary(teacher)))
 
     def forward(
         self,
@@ -111,15 +107,40 @@ class LinearAttentionLayer(nn.Module):
         return dict(self.spec)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Linear maps (projections, MLP) plus the linear-attention kernel."""
+        """Linear maps (projections, MLP, a gate) plus the attention kernel."""
         return linear_flops_per_token(self.block) + self.block.attention.flops_per_token(seq_len)
 
 
-def _check_options(family: str, feature_map: str, feature_dim: int | None, chunk_size: int) -> None:
+class LinearAttentionLayer(AttentionSwapLayer):
+    """Teacher layer ``layer_idx`` with linear attention (causal for decoders).
+
+    Options:
+        feature_map: "hedgehog" (softmax of +/- a learned projection) or "elu"
+            (elu + 1 of a learned projection).
+        feature_dim: width of the learned projection per head; the head size when null.
+            Hedgehog doubles it (+ and - halves).
+        chunk_size: positions per chunk of the causal kernel; trades the C x C in-chunk
+            work against the number of per-chunk states kept for the backward.
+    """
+
+    kind = "linear_attention"
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        layer_idx: int,
+        feature_map: str = "hedgehog",
+        feature_dim: int | None = None,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__(teacher, layer_idx, feature_map, feature_dim, chunk_size, {})
+
+
+def _check_options(kind: str, family: str, feature_map: str, feature_dim: int | None, chunk_size: int) -> None:
     """Reject options (or a teacher) this replacement cannot serve, naming the key."""
     if family not in _BLOCKS:
         raise ValueError(
-            f"replacement=linear_attention supports teacher families {sorted(_BLOCKS)}, not "
+            f"replacement={kind} supports teacher families {sorted(_BLOCKS)}, not "
             f"{family!r}; use replacement=lowrank or replacement=mlp for this teacher."
         )
     if feature_map not in FEATURE_MAPS:
@@ -132,14 +153,14 @@ def _check_options(family: str, feature_map: str, feature_dim: int | None, chunk
         raise ValueError(f"replacement.chunk_size={chunk_size} must be >= 1; 64 is a good default.")
 
 
-def _check_structure(family: str, layer: nn.Module) -> None:
+def _check_structure(kind: str, family: str, layer: nn.Module) -> None:
     """Refuse a teacher layer with parts the rebuilt block would silently leave out."""
     for owner, known in _KNOWN_CHILDREN[family].items():
         module = layer.get_submodule(owner)
         unknown = sorted({name for name, _ in module.named_children()} - known)
         if unknown:
             raise ValueError(
-                f"replacement=linear_attention cannot rebuild {type(layer).__name__}: "
+                f"replacement={kind} cannot rebuild {type(layer).__name__}: "
                 f"{owner or 'the layer'} has parts it does not know ({unknown}). Use "
                 "replacement=lowrank, replacement=pruned or replacement=copy for this teacher."
             )

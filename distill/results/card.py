@@ -15,7 +15,8 @@ from typing import Any
 CARD_FILE = "README.md"
 
 _KIND_TAGS = {"LinearAttentionLayer": "linear-attention", "ResidualMLP": "residual-mlp", "PrunedLayer": "pruning",
-              "LowRankLayer": "low-rank", "TeacherCopy": "teacher-copy"}
+              "LowRankLayer": "low-rank", "TeacherCopy": "teacher-copy",
+              "SlidingWindowLinearLayer": "sliding-window-attention", "GatedLinearAttentionLayer": "gated-linear-attention"}
 
 
 def write_model_card(out_dir: str, facts: dict[str, Any]) -> str:

@@ -13,18 +13,22 @@ import logging
 import os
 
 from omegaconf import OmegaConf
+from torch import nn
 
 from distill.model.assemble import export_student, load_student
 from distill.model.decode import measure_decode
-from distill.model.evaluate import evaluate, metric_kind, score_student
+from distill.model.evaluate import EvalResult, evaluate, metric_kind, score_student
 from distill.model.sources import load_tokenizer, teacher_source
+from distill.model.teacher import Teacher
 from distill.replacements import describe
 from distill.results.card import write_model_card
 from distill.results.record import write_result
 from distill.results.report import read_metrics, write_report
 from distill.train.context import METRICS_FILE, StudentContext
 from distill.train.e2e import e2e_finished, load_e2e_student
+from distill.train.hybrid import read_choice
 from distill.train.modules import load_stage_replacements
+from distill.train.stages import hybrid_on
 from distill.train.timing import timed
 
 log = logging.getLogger(__name__)
@@ -52,13 +56,16 @@ def finish_run(ctx: StudentContext) -> None:
                "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
                "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size,
                "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
+    hybrid = read_choice(ctx.checkpoint_dir) if hybrid_on(cfg.student) else None
+    if hybrid is not None:
+        summary["kept_layers"] = hybrid["kept"]
     result = None
     if cfg.evaluate and len(ctx.heldout_NT):
         with timed(ctx.timings, "evaluate_s"):
             result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
             if final is not replacements:  # the exported student had an end-to-end stage
                 summary["student_after_layer_stages"] = result.student
-                result.student = score_student(base, final, ctx.heldout_NT, cfg.student.micro_batch_size)
+                result = _rescored_after_e2e(ctx, result, base, final)
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
     decode = None
     if cfg.evaluate and metric_kind(teacher) == "lm":
@@ -67,11 +74,11 @@ def finish_run(ctx: StudentContext) -> None:
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
-                          ctx.timings, decode)
+                          ctx.timings, hybrid=hybrid, decode=decode)
     write_result(ctx.out_dir, {
         "summary": summary, "eval": result.to_dict() if result else None, "decode": decode,
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
-        "final_val": _final_val(metrics)})
+        "final_val": _final_val(metrics), **({"hybrid": hybrid} if hybrid is not None else {})})
     write_model_card(out, {
         "teacher": summary["teacher"], "causal": teacher.causal and metric_kind(teacher) == "lm",
         "layers": cfgs, "num_layers": teacher.num_layers, "describe": rows,
@@ -93,6 +100,20 @@ def decode_figures(teacher_model, student_model, context: int = DECODE_CONTEXT) 
             "cache_ratio": teacher_speed.cache_bytes / max(student_speed.cache_bytes, 1)}
 
 
+def _rescored_after_e2e(ctx: StudentContext, layer_stages: EvalResult, base: Teacher,
+                        final: dict[int, nn.Module]) -> EvalResult:
+    """The exported (end-to-end-trained) student's scores: each of its replacements spliced
+    alone into the teacher, and the whole student on ``base`` (the teacher, or with
+    ``student.e2e.trainable=all`` the copy carrying its trained teacher-side weights); the
+    layer stages' per-layer scores are kept beside them."""
+    batch_size = ctx.cfg.student.micro_batch_size
+    result = evaluate(ctx.teacher, final, ctx.heldout_NT, batch_size=batch_size)
+    if base is not ctx.teacher:
+        result.student = score_student(base, final, ctx.heldout_NT, batch_size)
+    result.per_layer_layer_stages = layer_stages.per_layer
+    return result
+
+
 def _run_metrics(path: str) -> list[dict]:
     """This run's metrics; none when every stage came finished from its checkpoint (a
     rerun of a completed command trains nothing, so it logs no step)."""
@@ -106,6 +127,6 @@ def _run_metrics(path: str) -> list[dict]:
 def _final_val(metrics: list[dict]) -> dict[str, float]:
     out: dict[str, float] = {}
     for record in metrics:
-        if record.get("event") == "stage_end":
+        if record.get("event") == "stage_end" and record.get("kind") != "score":
             out.update(record.get("val", {}))
     return out

@@ -30,11 +30,14 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.md"
 PLOT_FILE = "losses.png"
+HYBRID_PLOT_FILE = "hybrid.png"
 
 TABLE_HEADER = (
-    "| layer | replacement params ratio | FLOPs/token ratio | final val loss "
-    "| spliced-alone metric | tokens used |"
+    "| layer | replacement params ratio | FLOPs/token ratio | val loss, teacher inputs "
+    "| val loss, student inputs | spliced-alone metric | tokens used |"
 )
+BEFORE_E2E_HEADER = " spliced-alone, after the layer stages |"
+"""The extra column of a run with an end-to-end stage (the metric column is then the final student's)."""
 _METRIC_NAMES = {"lm": "perplexity", "encoder": "cosine similarity of final hidden states"}
 _MISSING = "–"
 
@@ -66,10 +69,16 @@ def _events(metrics: list[dict], event: str) -> list[dict]:
     return [record for record in metrics if record.get("event") == event]
 
 
+def _of_layer_stages(metrics: list[dict]) -> list[dict]:
+    """The records of the stages that trained the student's layers: not those of an automatic
+    hybrid's scoring pass (kind ``score``), whose replacements are discarded."""
+    return [record for record in metrics if record.get("kind") != "score"]
+
+
 def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
     """{layer: (steps, losses)} from the train events' per-layer losses."""
     curves: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-    for record in _events(metrics, "train"):
+    for record in _events(_of_layer_stages(metrics), "train"):
         for idx, loss in (record.get("layer_losses") or {}).items():
             steps, losses = curves[int(idx)]
             steps.append(int(record["step"]))
@@ -77,13 +86,15 @@ def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]
     return dict(sorted(curves.items()))
 
 
-def _final_val_losses(metrics: list[dict]) -> dict[int, float]:
-    """{layer: its last validation loss}, from val events or the stage_end's "val"."""
+def _final_val_losses(metrics: list[dict], student_inputs: bool = False) -> dict[int, float]:
+    """{layer: its final validation loss} on teacher inputs (or the student's own), from val
+    events or the stage_end's record (which holds the weights the stage kept)."""
     final: dict[int, float] = {}
-    for record in metrics:
+    val_key, end_key = ("student_losses", "val_student") if student_inputs else ("layer_losses", "val")
+    for record in _of_layer_stages(metrics):
         event = record.get("event")
-        losses = record.get("layer_losses") if event == "val" else None
-        losses = record.get("val") if event == "stage_end" else losses
+        losses = record.get(val_key) if event == "val" else None
+        losses = record.get(end_key) if event == "stage_end" else losses
         for idx, loss in (losses or {}).items():
             final[int(idx)] = float(loss)
     return dict(sorted(final.items()))
@@ -92,7 +103,7 @@ def _final_val_losses(metrics: list[dict]) -> dict[int, float]:
 def _tokens_used(metrics: list[dict]) -> dict[int, int]:
     """{layer: training tokens of the stages that trained it} from stage_end events."""
     tokens: dict[int, int] = defaultdict(int)
-    for record in _events(metrics, "stage_end"):
+    for record in _events(_of_layer_stages(metrics), "stage_end"):
         for idx in record.get("layers") or []:
             tokens[int(idx)] += int(record.get("tokens", 0))
     return dict(tokens)
@@ -152,6 +163,8 @@ def write_report(
     describe_rows: dict[int, dict],
     config_summary: dict,
     timings: dict[str, float] | None = None,
+    *,
+    hybrid: dict | None = None,
     decode: dict | None = None,
 ) -> str:
     """Write run_dir/report.md (and the losses.png it embeds); returns the report's path.
@@ -161,7 +174,8 @@ def write_report(
 
     `describe_rows[l]` is `distill.replacements.describe(replacement, teacher, seq_len)`;
     `eval_result` may also be `EvalResult.to_dict()` read back from JSON, or None / {}
-    when the run was not evaluated (its sections then say so).
+    when the run was not evaluated (its sections then say so). `hybrid` is an automatic
+    hybrid's choice (`distill.train.hybrid.choose`): its section and hybrid.png.
     """
     if isinstance(eval_result, dict):
         eval_result = EvalResult.from_dict(eval_result) if eval_result else None
@@ -171,8 +185,12 @@ def write_report(
         "# Distillation report",
         _config_section(config_summary),
         _overall_section(eval_result, decode),
-        _layer_section(metrics, eval_result, describe_rows),
+        _layer_section(metrics, eval_result, describe_rows,
+                       eval_result.per_layer_layer_stages if eval_result is not None else None),
     ]
+    if hybrid:
+        sections.append(_hybrid_section(hybrid, eval_result))
+        plot_hybrid(hybrid, eval_result, os.path.join(run_dir, HYBRID_PLOT_FILE))
     quality = _quality_section(metrics, config_summary)
     if quality:
         sections.append(quality)
@@ -207,12 +225,14 @@ def _overall_section(result: EvalResult | None, decode: dict | None = None) -> s
     if result is None:
         return "## Teacher vs student\n\nNot evaluated (`evaluate=false` or no held-out data)."
     metric = _METRIC_NAMES.get(result.kind, result.kind)
+    identity = ([f"| replaced layers skipped (identity baseline) | {_fmt(result.identity)} |"]
+                if result.identity is not None else [])
     if not decode:
         return "\n".join([
             "## Teacher vs student", "", f"Held-out {metric} over {result.num_tokens:,} tokens.", "",
             "| model | metric |", "| --- | --- |", f"| teacher | {_fmt(result.teacher)} |",
             f"| student (all replacements) | {_fmt(result.student)} |",
-            f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |"])
+            f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |", *identity])
     teacher, student = decode["teacher"], decode["student"]
     context = f"{teacher['context']:,}"
     return "\n".join([
@@ -227,7 +247,8 @@ def _overall_section(result: EvalResult | None, decode: dict | None = None) -> s
         f"{_mib(student['cache_bytes'])} |",
         f"| student / teacher | {result.relative_gap + 1:.3f}x ({result.relative_gap:+.2%}) | "
         f"{1 / decode['speedup']:.3f}x ({decode['speedup']:.2f}x faster) | "
-        f"{1 / decode['cache_ratio']:.4f}x ({decode['cache_ratio']:.0f}x smaller) |"])
+        f"{1 / decode['cache_ratio']:.4f}x ({decode['cache_ratio']:.0f}x smaller) |",
+        *(f"{row} {_MISSING} | {_MISSING} |" for row in identity)])
 
 
 def _mib(num_bytes: int) -> str:
@@ -235,26 +256,32 @@ def _mib(num_bytes: int) -> str:
 
 
 def _layer_section(
-    metrics: list[dict], result: EvalResult | None, describe_rows: dict[int, dict]
+    metrics: list[dict], result: EvalResult | None, describe_rows: dict[int, dict],
+    before_e2e: dict[int, float] | None = None,
 ) -> str:
-    """One row per replaced layer, then a total row of the cost ratios and tokens."""
-    final_val = _final_val_losses(metrics)
-    tokens = _tokens_used(metrics)
-    alone = result.per_layer if result is not None else {}
-    layer_idxs = sorted({*describe_rows, *alone, *final_val, *tokens})
-    rows = [
-        _layer_row(
-            idx,
-            describe_rows.get(idx, {}),
-            final_val.get(idx),
-            alone.get(idx),
-            tokens.get(idx),
-        )
-        for idx in layer_idxs
+    """One row per replaced layer, then a total row of the cost ratios and tokens; after an
+    end-to-end stage, the layer-stage students' spliced-alone metric in a last column."""
+    columns = [
+        {idx: row.get("params_ratio") for idx, row in describe_rows.items()},
+        {idx: row.get("flops_ratio") for idx, row in describe_rows.items()},
+        _final_val_losses(metrics),
+        _final_val_losses(metrics, student_inputs=True),
+        result.per_layer if result is not None else {},
     ]
-    rows.append(_total_row(describe_rows, metrics))
+    tokens = _tokens_used(metrics)
+    header, total = TABLE_HEADER, _total_row(describe_rows, metrics)
+    if before_e2e:
+        header, total = header + BEFORE_E2E_HEADER, total + f" {_MISSING} |"
+    layer_idxs = sorted({idx for column in columns for idx in column} | set(tokens))
+    rows = []
+    for idx in layer_idxs:
+        cells = [str(idx), *(_fmt(column.get(idx)) for column in columns), _fmt_int(tokens.get(idx))]
+        if before_e2e:
+            cells.append(_fmt(before_e2e.get(idx)))
+        rows.append("| " + " | ".join(cells) + " |")
+    rows.append(total)
     return "\n".join(
-        ["## Per layer", "", _layer_intro(result), "", TABLE_HEADER, "| --- " * 6 + "|", *rows]
+        ["## Per layer", "", _layer_intro(result), "", header, "| --- " * header.count(" |") + "|", *rows]
     )
 
 
@@ -264,24 +291,13 @@ def _layer_intro(result: EvalResult | None) -> str:
     if result is None:
         return f"Spliced-alone metric: not evaluated. {ratios}"
     metric = _METRIC_NAMES.get(result.kind, result.kind)
+    after_e2e = (" by its end-to-end-trained replacement (by the layer stage's in the last column)"
+                 if result.per_layer_layer_stages else "")
     return (
         f"Spliced-alone metric: held-out {metric} of the teacher with only that layer "
-        f"replaced (teacher: {_fmt(result.teacher)}). {ratios}"
+        f"replaced{after_e2e} (teacher: {_fmt(result.teacher)}). Validation losses: against the "
+        f"teacher's output of the layer, fed the teacher's input or the student's own. {ratios}"
     )
-
-
-def _layer_row(
-    idx: int, row: dict, val_loss: float | None, alone: float | None, tokens: int | None
-) -> str:
-    cells = [
-        str(idx),
-        _fmt(row.get("params_ratio")),
-        _fmt(row.get("flops_ratio")),
-        _fmt(val_loss),
-        _fmt(alone),
-        _fmt_int(tokens),
-    ]
-    return "| " + " | ".join(cells) + " |"
 
 
 def _total_row(describe_rows: dict[int, dict], metrics: list[dict]) -> str:
@@ -292,7 +308,7 @@ def _total_row(describe_rows: dict[int, dict], metrics: list[dict]) -> str:
     flops = _sum_ratio(rows, "flops_per_token", "teacher_flops_per_token")
     stage_ends = _events(metrics, "stage_end")
     tokens = sum(int(r.get("tokens", 0)) for r in stage_ends) if stage_ends else None
-    cells = ["**all**", _fmt(params), _fmt(flops), _MISSING, _MISSING, _fmt_int(tokens)]
+    cells = ["**all**", _fmt(params), _fmt(flops), _MISSING, _MISSING, _MISSING, _fmt_int(tokens)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -317,9 +333,64 @@ def _quality_section(metrics: list[dict], config_summary: dict) -> str:
         lines += [f"Student after the layer stages: {_fmt(before)}; the exported student above has also "
                   "had the end-to-end stage."]
     if e2e_val:
-        lines += ["", "| end-to-end step | held-out perplexity |", "| --- | --- |",
-                  *(f"| {m['step']} | {_fmt(m['ppl'])} |" for m in e2e_val)]
+        key = "ppl" if "ppl" in e2e_val[0] else "cosine"
+        name = _METRIC_NAMES["lm" if key == "ppl" else "encoder"]
+        best = [m.get("best_step") for m in _events(metrics, "stage_end") if m.get("layers") == []]
+        lines += ["", f"| end-to-end step | held-out {name} |", "| --- | --- |",
+                  *(f"| {m['step']} | {_fmt(m.get(key))} |" for m in e2e_val)]
+        if best and best[-1] is not None:
+            lines += ["", f"The end-to-end stage kept the weights of step {best[-1]} (its best validation)."]
     return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
+
+
+def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
+    """Which layers the automatic hybrid converted and kept, each layer's score, and the
+    quality of the scoring-pass student by number of converted layers."""
+    metric = _METRIC_NAMES.get(hybrid["kind"], hybrid["kind"])
+    budget = (f"`student.hybrid.keep_softmax={hybrid['keep_softmax']}`" if hybrid.get("keep_softmax") is not None
+              else f"`student.hybrid.max_gap={hybrid['max_gap']}`")
+    kl_name = "KL of the output" if hybrid["kind"] == "lm" else "1 - cosine of the output"
+    converted = set(hybrid["converted"])
+    order = [int(layer) for layer in hybrid["order"]]
+    rows = [f"| {layer} | {_fmt(hybrid['kl'][str(layer)])} | {_fmt(hybrid['spliced_alone'][str(layer)])} | "
+            f"{'converted' if layer in converted else '**kept (teacher)**'} |" for layer in order]
+    curve = [f"| {n} | {', '.join(map(str, sorted(order[:n]))) or '–'} | {_fmt(value)} |"
+             for n, value in enumerate(hybrid["curve"])]
+    final = ("" if result is None else
+             f" The trained student, {len(converted)} layers converted: {_fmt(result.student)}.")
+    return "\n".join([
+        "## Automatic hybrid", "",
+        f"Budget {budget}. A scoring pass trained a replacement for each candidate layer "
+        f"({hybrid['steps']} steps, teacher inputs) and scored its conversion alone on the held-out "
+        f"chunks by `{hybrid['score']}`; converted layers {hybrid['converted']}, kept layers "
+        f"{hybrid['kept'] or 'none'} as the teacher's own.", "",
+        f"| layer (cheapest first) | {kl_name} | spliced-alone {metric} | choice |", "| --- | --- | --- | --- |",
+        *rows, "",
+        f"Held-out {metric} of the scoring-pass student by layers converted (teacher: {_fmt(hybrid['teacher'])})."
+        f"{final}", "",
+        "| layers converted | which | held-out metric |", "| --- | --- | --- |", *curve, "",
+        f"![quality against the number of converted layers]({HYBRID_PLOT_FILE})"])
+
+
+def plot_hybrid(hybrid: dict, result: EvalResult | None, out_png: str) -> str:
+    """Held-out metric of the scoring-pass student against the number of converted layers
+    (cheapest first), the teacher's level and the trained student; returns `out_png`."""
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    counts = list(range(len(hybrid["curve"])))
+    ax.plot(counts, hybrid["curve"], marker="o", label=f"scoring pass ({hybrid['steps']} steps/layer)")
+    ax.axhline(hybrid["teacher"], color="gray", linestyle="--", linewidth=1, label="teacher")
+    if result is not None:
+        ax.plot([len(hybrid["converted"])], [result.student], marker="*", markersize=12, linestyle="none",
+                color="tab:red", label="trained student")
+    metric = _METRIC_NAMES.get(hybrid["kind"], hybrid["kind"])
+    ax.set(title="quality against layers converted", xlabel="layers converted (cheapest first)",
+           ylabel=f"held-out {metric}", xticks=counts)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(out_png, dpi=110)
+    return out_png
 
 
 def _timing_section(timings: dict[str, float]) -> str:

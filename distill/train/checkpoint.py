@@ -11,8 +11,9 @@ Layout of ``<checkpoint_dir>``::
     current/model.safetensors     replacement weights of the stage in progress
     current/optimizer.safetensors optimizer tensors (flattened: state.<param>.<key>, param an
                                   index, or the parameter's name after FSDP2)
+    current/best.safetensors      trainable weights at the stage's best validation so far
     current/state.json            stage, step, scheduler, optimizer param groups,
-                                  RNG states, resolved config
+                                  RNG states, resolved config, best validation
 
 Writes go to a temporary directory that is renamed into place, so a kill -9 at
 any moment leaves either the previous checkpoint or the new one, never half.
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 from distill.model.sources import teacher_source
 
 PROGRESS_FILE = "progress.json"
+BEST_FILE = "best.safetensors"
 GATHERED_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """A sharded module's state as one file holds it: whole tensors, on rank 0's CPU."""
 FULL_STATE = StateDictOptions(full_state_dict=True)
@@ -112,15 +114,19 @@ def load_stage_weights(directory: Path, stage: int, module: nn.Module) -> None:
 
 def save_training_state(directory: Path, *, stage: int, step: int, module: nn.Module,
                         optimizer: torch.optim.Optimizer, scheduler: Any,
-                        extra: dict[str, Any], write: bool = True) -> None:
-    """Everything needed to continue a stage at ``step`` exactly. Collective for a sharded
-    (FSDP2) module: every rank calls it, the one with ``write`` writes."""
+                        extra: dict[str, Any], write: bool = True,
+                        best: dict[str, torch.Tensor] | None = None) -> None:
+    """Everything needed to continue a stage at ``step`` exactly (``best``: the trainable
+    weights of its best validation so far, see distill.train.validation.BestWeights).
+    Collective for a sharded (FSDP2) module: every rank calls it, the one with ``write`` writes."""
     model_sd, optimizer_sd = model_state(module), optimizer_state(module, optimizer)
     if not write:
         return
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".current-", dir=directory))
     save_file(_contiguous(model_sd), str(tmp / "model.safetensors"))
+    if best:
+        save_file(_contiguous(best), str(tmp / BEST_FILE))
     opt_tensors, opt_meta = _flatten_optimizer(optimizer_sd)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     rng = {"torch": torch.get_rng_state()}
@@ -158,6 +164,12 @@ def load_training_state(directory: Path, *, module: nn.Module, optimizer: torch.
         torch.cuda.set_rng_state(rng["cuda"])
     random.setstate(_python_rng_from_json(state["python_rng"]))
     return state
+
+
+def load_best_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The best-validation weights saved with the training state; empty if none were."""
+    path = directory / "current" / BEST_FILE
+    return load_file(str(path)) if path.exists() else {}
 
 
 def has_training_state(directory: Path, stage: int) -> bool:

@@ -24,7 +24,6 @@ from torch import nn
 from distill.config import Inputs
 from distill.model.teacher import Teacher
 from distill.train.context import StudentContext
-from distill.train.modules import load_stage_replacements
 from distill.train.stages import Stage
 
 log = logging.getLogger(__name__)
@@ -96,14 +95,13 @@ class ClosedLoopInputs:
         return {layer: torch.where(pick_B11, student[layer], teacher_inputs[layer]) for layer in teacher_inputs}
 
 
-def build_closed_loop(ctx: StudentContext, stage: Stage, total_steps: int,
+def build_closed_loop(ctx: StudentContext, stage: Stage, frozen: dict[int, nn.Module], total_steps: int,
                       start_step: int) -> ClosedLoopInputs | None:
-    """The stage's input builder, or None when it trains on the teacher's inputs."""
+    """The stage's input builder from the earlier stages' trained replacements ``frozen``, or
+    None when the stage trains on the teacher's inputs."""
     scfg = ctx.cfg.student
-    if scfg.inputs == Inputs.teacher:
+    if not stage.closed_loop:
         return None
-    earlier = [s for s in ctx.stages if s.index < stage.index]
-    frozen = load_stage_replacements(ctx, earlier)
     log.info("stage %d: %s inputs, built from trained replacements of layers %s", stage.index,
              scfg.inputs, sorted(frozen))
     return ClosedLoopInputs(ctx.teacher, stage, frozen, scfg.inputs, total_steps, scfg.grad_accum_steps,

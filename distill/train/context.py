@@ -59,6 +59,7 @@ class StudentContext:
     checkpoint_dir: Path
     out_dir: Path
     stages: list[Stage]
+    """The layer stages (with an automatic hybrid: its scoring pass until it has chosen)."""
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -203,6 +204,17 @@ def broadcast_int(value: int, ctx: StudentContext) -> int:
     tensor = torch.tensor([value], dtype=torch.long, device=ctx.device if ctx.device.type == "cuda" else "cpu")
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
+
+
+def broadcast_ints(values: list[int], ctx: StudentContext) -> list[int]:
+    """Rank 0's list of ints on every rank (the others pass anything; its length travels first)."""
+    if ctx.world_size == 1:
+        return list(values)
+    count = broadcast_int(len(values), ctx)
+    device = ctx.device if ctx.device.type == "cuda" else "cpu"
+    tensor = torch.tensor(values if ctx.leader else [0] * count, dtype=torch.long, device=device)
+    dist.broadcast(tensor, src=0)
+    return [int(v) for v in tensor.tolist()]
 
 
 def barrier(ctx: StudentContext) -> None:

@@ -1,5 +1,5 @@
 """The end-to-end stage: after the layer stages, train the assembled student on the teacher's
-next-token distribution.
+next-token distribution (causal LMs) or on its final hidden state (encoders).
 
 Layer stages train each replacement on the teacher's inputs, so their errors add up once
 all are spliced in. :class:`E2ETrainer` is a :class:`~distill.train.trainer.StageTrainer`
@@ -7,7 +7,14 @@ all are spliced in. :class:`E2ETrainer` is a :class:`~distill.train.trainer.Stag
 teacher with every trained replacement spliced in (:class:`E2EStudent`) and whose loss is
 the top-k KL of :func:`topk_kl` (plus an optional final-hidden NMSE term), against the
 targets the workers write (:func:`distill.train.targets.write_e2e_targets`). Its settings
-come from ``student.e2e``; it validates by held-out perplexity.
+come from ``student.e2e``; it validates by held-out perplexity, also before its first step,
+and keeps the weights of its best validation (:class:`~distill.train.validation.BestWeights`),
+so it never ends worse than the layer stages left the student.
+
+A teacher without an LM head (an encoder) has no next-token distribution: there the loss is
+1 - cosine between the student's and the teacher's final hidden states (the metric the run
+is scored by, see :mod:`distill.model.evaluate`), and the stage validates by that held-out
+cosine.
 
 Its finished weights are the whole student's state dict (LoRA merged), saved as stage
 ``len(layer stages)``; :func:`load_e2e_student` rebuilds the student from them for export.
@@ -47,11 +54,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from distill.config import Trainable
+from distill.config import Loss, Trainable
 from distill.model.assemble import layer_list_name, splice
 from distill.model.evaluate import metric_kind, perplexity_of
 from distill.model.lora import add_lora, merge_lora
@@ -64,9 +72,11 @@ from distill.train.context import (
     is_sharded,
     wrap_for_training,
 )
+from distill.train.losses import layer_loss
 from distill.train.modules import load_stage_replacements
 from distill.train.stages import Stage, e2e_stage
-from distill.train.trainer import StageTrainer, layer_loss, train_stage
+from distill.train.trainer import StageTrainer, train_stage
+from distill.train.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +167,8 @@ class E2EStudent(nn.Module):
             raise ValueError(f"student.e2e.trainable={trainable!r}: choose one of {[t.value for t in Trainable]}")
         self.temperature = temperature
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.lm = metric_kind(teacher) == "lm"
+        """Whether the student predicts tokens (else: an encoder, trained on its final hidden state)."""
         self.layers_name = layer_list_name(teacher)
         if trainable == Trainable.all:
             self.model = splice(teacher, replacements).float().requires_grad_(True)
@@ -172,14 +184,16 @@ class E2EStudent(nn.Module):
             else:
                 replacement.requires_grad_(True)
 
-    def forward(self, input_ids_BT: torch.Tensor, teacher_logp_BTK: torch.Tensor,
-                teacher_idx_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top-k KL against the teacher, final hidden_BTD after the final norm).
+    def forward(self, input_ids_BT: torch.Tensor, teacher_logp_BTK: torch.Tensor | None = None,
+                teacher_idx_BTK: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(top-k KL against the teacher, or None for an encoder; final hidden_BTD after the final norm).
 
         The loss is computed here, inside the forward that DDP / FSDP wrap, in chunks of
         tokens (:func:`chunked_topk_kl`): the [B, T, V] logits never exist.
         """
         final_BTD = self.final_hidden(input_ids_BT)
+        if not self.lm:  # an encoder: its final hidden state is its output (the loss is on it)
+            return None, final_BTD
         loss = chunked_topk_kl(final_BTD.flatten(0, 1), self.logits, teacher_logp_BTK.flatten(0, 1),
                                teacher_idx_BTK.flatten(0, 1), self.temperature, self.loss_chunk_tokens)
         return loss, final_BTD
@@ -215,18 +229,18 @@ def e2e_student_config(student_cfg: DictConfig) -> DictConfig:
 
 
 class E2ETrainer(StageTrainer):
-    """Trains the assembled student on the teacher's top-k log-probabilities."""
+    """Trains the assembled student on the teacher's top-k log-probabilities (or, for an
+    encoder, its final hidden state)."""
+
+    validate_at_start = True  # the layer stages' student: kept if the stage does no better
 
     def __init__(self, ctx: StudentContext, stage: Stage) -> None:
-        super().__init__(ctx, stage)
-        self.scfg = e2e_student_config(ctx.cfg.student)
+        super().__init__(ctx, stage, e2e_student_config(ctx.cfg.student))
         self.ecfg = ctx.cfg.student.e2e
+        self.val_targets: list[torch.Tensor] = []
 
     def _setup_model(self) -> None:
         ctx = self.ctx
-        if metric_kind(ctx.teacher) != "lm":
-            raise ValueError(f"student.e2e.steps={self.ecfg.steps} needs a teacher with an LM head; "
-                             f"{ctx.teacher.name_or_path} has none: set student.e2e.steps=0")
         torch.manual_seed(self.scfg.seed + self.stage.index)
         replacements = load_stage_replacements(ctx, ctx.stages)
         self.module = E2EStudent(ctx.teacher, replacements, self.ecfg.trainable, self.ecfg.lora_rank,
@@ -237,22 +251,33 @@ class E2ETrainer(StageTrainer):
                      self.module.num_trainable(), self.ecfg.parallel, ctx.world_size)
         self.model = wrap_for_training(self.module, ctx, self.ecfg.parallel)
 
-    def _setup_validation(self) -> None:
-        """Validation is the student's held-out perplexity: on the leader, or on every rank when
-        the student is sharded (each rank's forward takes part in gathering the weights)."""
-        self.val_pairs = {}
+    def _earlier_replacements(self) -> dict[int, nn.Module]:
+        return {}  # the student is whole: nothing to build its inputs from
+
+    def _setup_validation(self, frozen: dict[int, nn.Module]) -> None:
+        """Validation is the student's held-out perplexity (an encoder's: its final-hidden cosine
+        against the teacher's, whose targets are computed here once): on the leader, or on every
+        rank when the student is sharded (each rank's forward takes part in gathering the weights)."""
         self.sharded = is_sharded(self.module)
         self.heldout_NT = broadcast_chunks(self.ctx.heldout_NT, self.ctx) if self.sharded else self.ctx.heldout_NT
+        if (self.ctx.leader or self.sharded) and not self.module.lm:
+            with torch.no_grad():
+                self.val_targets = [self.ctx.teacher.model.base_model(input_ids=batch_BT.to(self.ctx.device))
+                                    .last_hidden_state for batch_BT in self.heldout_NT.split(self.scfg.micro_batch_size)]
 
-    def _setup_inputs(self) -> None:
+    def _setup_inputs(self, frozen: dict[int, nn.Module]) -> None:
         self.closed_loop = None
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
         device = self.ctx.device
+        teacher_BTD = batch["hidden"][:, 0].to(device)
+        if not self.module.lm:
+            _, final_BTD = self.model(batch["input_ids"].to(device))
+            loss = layer_loss(final_BTD, teacher_BTD, Loss.cosine)
+            return loss, {LOSS_KEY: float(loss.detach())}
         loss, final_BTD = self.model(batch["input_ids"].to(device), batch["topk_logp"].to(device),
                                      batch["topk_idx"].to(device))
         if self.ecfg.hidden_weight > 0:
-            teacher_BTD = batch["hidden"][:, 0].to(device)
             loss = loss + self.ecfg.hidden_weight * layer_loss(final_BTD, teacher_BTD, "nmse")
         return loss, {LOSS_KEY: float(loss.detach())}
 
@@ -267,18 +292,37 @@ class E2ETrainer(StageTrainer):
                               "samples_per_s": samples * self.ctx.world_size / elapsed})
 
     @torch.no_grad()
-    def validate(self, step: int) -> dict[int, float]:
-        """Held-out perplexity of the assembled student, logged as an ``e2e_val`` event."""
+    def validate(self, step: int) -> Validation:
+        """Held-out perplexity (or encoder cosine) of the assembled student, logged as an
+        ``e2e_val`` event; scored lower-is-better (perplexity, or 1 - cosine) on the leader."""
+        result = Validation()
         if (self.ctx.leader or self.sharded) and len(self.heldout_NT):
             self.module.eval()
-            ppl = perplexity_of(self.module.final_hidden, self.module.logits, self.heldout_NT,
-                                self.scfg.micro_batch_size, self.ctx.device)
+            if self.module.lm:
+                ppl = perplexity_of(self.module.final_hidden, self.module.logits, self.heldout_NT,
+                                    self.scfg.micro_batch_size, self.ctx.device)
+                result = Validation(ppl, {"ppl": ppl})
+            else:
+                cosine = self._heldout_cosine()
+                result = Validation(1.0 - cosine, {"cosine": cosine})
             self.module.train()
             if self.ctx.leader:
-                self.ctx.log_metrics({"event": "e2e_val", "stage": self.stage.index, "step": step, "ppl": ppl})
-                log.info("end-to-end stage step %d: held-out perplexity %.4f", step, ppl)
+                self.ctx.log_metrics({"event": "e2e_val", "stage": self.stage.index, "step": step,
+                                      **result.record})
+                log.info("end-to-end stage step %d: held-out %s", step,
+                         ", ".join(f"{k} {v:.4f}" for k, v in result.record.items()))
         barrier(self.ctx)
-        return {}
+        return result if self.ctx.leader else Validation()
+
+    def _heldout_cosine(self) -> float:
+        """Mean per-token cosine of the student's final hidden states against the teacher's."""
+        total, count = 0.0, 0
+        for batch_BT, teacher_BTD in zip(self.heldout_NT.split(self.scfg.micro_batch_size), self.val_targets,
+                                         strict=True):
+            student_BTD = self.module.final_hidden(batch_BT.to(self.ctx.device))
+            total += F.cosine_similarity(student_BTD.float(), teacher_BTD.float(), dim=-1).sum().item()
+            count += batch_BT.numel()
+        return total / max(1, count)
 
     def finish(self) -> None:
         """Fold LoRA into plain linear maps, then record the stage like a layer stage."""

@@ -1,4 +1,5 @@
-"""The order of a run's stages: every layer stage not yet finished, then the end-to-end stage.
+"""The order of a run's stages: an automatic hybrid's scoring pass (when configured), every
+layer stage not yet finished, then the end-to-end stage.
 
 A finished stage is never retrained (``progress.json``), so rerunning a command resumes
 where it stopped: in the stage in progress, at its last checkpoint.
@@ -11,14 +12,19 @@ import logging
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext
 from distill.train.e2e import run_e2e_stage
+from distill.train.hybrid import run_hybrid
+from distill.train.stages import hybrid_on
 from distill.train.trainer import StageTrainer, train_stage
 
 log = logging.getLogger(__name__)
 
 
 def train_all(ctx: StudentContext) -> None:
-    """Train the stages of ``ctx`` that a previous run did not finish."""
+    """Train the stages of ``ctx`` that a previous run did not finish. With an automatic
+    hybrid, ``ctx.stages`` holds its scoring pass until it has chosen, then the layer stages."""
     finished = set(ckpt.read_progress(ctx.checkpoint_dir)["finished"]) if ctx.cfg.resume else set()
+    if hybrid_on(ctx.cfg.student):
+        ctx.stages = run_hybrid(ctx, finished)
     for stage in ctx.stages:
         if stage.index in finished:
             log.info("stage %d (layers %s) already trained: skipping", stage.index, list(stage.layers))

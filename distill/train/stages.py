@@ -12,8 +12,8 @@ Two options widen that layout. A closed-loop stage (``student.inputs=student|mix
 carries position 0, the embeddings, from which the student runs its own trained
 replacements to build each layer's input. When the end-to-end stage is on, every sample
 has room for the teacher's top-k next-token log-probabilities (``topk_logp`` and
-``topk_idx``, [T, k]); that stage writes the teacher's final hidden state into
-``hidden[0]`` (see :mod:`distill.train.targets`).
+``topk_idx``, [T, k]; not for an encoder, which has none); that stage writes the
+teacher's final hidden state into ``hidden[0]`` (see :mod:`distill.train.targets`).
 
 :func:`stage_layout` is the one place that turns a config and a teacher's shape into the
 stages and the sample layout: the start-up checks, the workers and the students all call
@@ -27,7 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from distill.config import Inputs
+from distill.config import Family, Inputs
+from distill.model.location import has_lm_head
 from distill.pipeline import BatchConfig, TensorSpec
 
 
@@ -38,7 +39,8 @@ class Stage:
     closed_loop: bool = False
     """The sample also carries the embeddings (position 0) for closed-loop inputs."""
     kind: str = "layers"
-    """``layers`` (per-layer targets) or ``e2e`` (top-k log-probabilities of the full model)."""
+    """``layers`` (per-layer targets), ``score`` (per-layer targets for an automatic hybrid's
+    scoring pass, see distill.train.hybrid) or ``e2e`` (top-k log-probabilities of the full model)."""
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -50,10 +52,8 @@ class Stage:
 
     @property
     def model_id(self) -> str:
-        if self.kind == "e2e":
-            return f"stage{self.index}:e2e"
         loop = ":closed" if self.closed_loop else ""
-        return f"stage{self.index}:layers" + ",".join(map(str, self.layers)) + loop
+        return f"stage{self.index}:{self.kind}" + ",".join(map(str, self.layers)) + loop
 
     @property
     def model_cfg(self) -> dict:
@@ -77,8 +77,8 @@ class Stage:
 
 
 def plan_stages(num_layers: int, layers: list[int] | None, layers_per_stage: int,
-                closed_loop: bool = False) -> list[Stage]:
-    """Split the layers to replace into stages of ``layers_per_stage``."""
+                closed_loop: bool = False, first_index: int = 0, kind: str = "layers") -> list[Stage]:
+    """Split the layers to replace into stages of ``layers_per_stage``, numbered from ``first_index``."""
     chosen = sorted(set(range(num_layers) if layers is None else layers))
     bad = [layer for layer in chosen if not 0 <= layer < num_layers]
     if bad:
@@ -89,7 +89,7 @@ def plan_stages(num_layers: int, layers: list[int] | None, layers_per_stage: int
     if not chosen:
         raise ValueError("student.layers is empty: name at least one layer, or null for all")
     groups = [chosen[i:i + layers_per_stage] for i in range(0, len(chosen), layers_per_stage)]
-    return [Stage(i, tuple(group), closed_loop) for i, group in enumerate(groups)]
+    return [Stage(first_index + i, tuple(group), closed_loop, kind) for i, group in enumerate(groups)]
 
 
 def max_positions(stages: list[Stage]) -> int:
@@ -114,22 +114,63 @@ def closed_loop(student_cfg: Any) -> bool:
     return student_cfg.inputs != Inputs.teacher
 
 
-def e2e_top_k(student_cfg: Any) -> int:
-    """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on."""
-    return int(student_cfg.e2e.top_k) if student_cfg.e2e.steps > 0 else 0
+def teacher_is_lm(cfg: DictConfig) -> bool:
+    """Whether the configured teacher predicts tokens (has an LM head), from its config alone."""
+    if not cfg.teacher.name_or_path:
+        return cfg.teacher.tiny.family == Family.llama
+    return has_lm_head(str(cfg.teacher.name_or_path))
+
+
+def e2e_top_k(cfg: DictConfig) -> int:
+    """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on
+    (for a teacher with an LM head; an encoder's end-to-end stage needs only its final state)."""
+    return int(cfg.student.e2e.top_k) if cfg.student.e2e.steps > 0 and teacher_is_lm(cfg) else 0
 
 
 def e2e_stage(stages: list[Stage]) -> Stage:
     """The end-to-end stage that follows the layer stages. It trains the whole student, so it
     names no layers (the report counts no layer budget against it)."""
-    return Stage(len(stages), (), kind="e2e")
+    return Stage(stages[-1].index + 1, (), kind="e2e")
+
+
+def hybrid_on(student_cfg: Any) -> bool:
+    """Whether the layers to convert are chosen by a scoring pass (``student.hybrid``)."""
+    return student_cfg.hybrid.keep_softmax is not None or student_cfg.hybrid.max_gap is not None
+
+
+def scoring_stages(cfg: DictConfig, num_layers: int) -> list[Stage]:
+    """The stages of an automatic hybrid's scoring pass: every candidate layer, teacher-forced."""
+    student = cfg.student
+    return plan_stages(num_layers, student.layers, student.layers_per_stage, kind="score")
+
+
+def layer_stages(cfg: DictConfig, num_layers: int, layers: list[int] | None, first_index: int = 0) -> list[Stage]:
+    """The layer stages that convert ``layers``, as the student config plans them."""
+    student = cfg.student
+    return plan_stages(num_layers, layers, student.layers_per_stage, closed_loop(student), first_index)
+
+
+def _hybrid_positions(cfg: DictConfig, num_layers: int) -> int:
+    """Most boundary positions a layer stage of an automatic hybrid can have, whichever layers
+    the scoring pass picks: k layers with no two adjacent (+ the embeddings in closed loop)."""
+    k = cfg.student.layers_per_stage
+    return min(2 * k + int(closed_loop(cfg.student)), num_layers + 1)
 
 
 def stage_layout(cfg: DictConfig, num_layers: int, hidden_size: int) -> tuple[list[Stage], BatchConfig]:
     """The run's layer stages and the layout of one sample, from the config and the teacher's
-    shape (checks, workers and students all call this; see the module docstring)."""
+    shape (checks, workers and students all call this; see the module docstring).
+
+    With an automatic hybrid the stages are those of its scoring pass (the layer stages follow
+    once it has chosen, :func:`layer_stages`), and the layout has room for any layer stage it
+    may choose."""
     student = cfg.student
-    stages = plan_stages(num_layers, student.layers, student.layers_per_stage, closed_loop(student))
-    batch_config = sample_batch_config(max_positions(stages), cfg.data.seq_len, hidden_size,
-                                       cfg.teacher.dtype, top_k=e2e_top_k(student))
+    if hybrid_on(student):
+        stages = scoring_stages(cfg, num_layers)
+        positions = max(max_positions(stages), _hybrid_positions(cfg, num_layers))
+    else:
+        stages = layer_stages(cfg, num_layers, student.layers)
+        positions = max_positions(stages)
+    batch_config = sample_batch_config(positions, cfg.data.seq_len, hidden_size, cfg.teacher.dtype,
+                                       top_k=e2e_top_k(cfg))
     return stages, batch_config

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from omegaconf import DictConfig
 
 from distill.model.data import sample_indices
 from distill.model.teacher import Teacher
@@ -29,6 +30,18 @@ from distill.train.stages import Stage
 from distill.train.transfer import DeviceToSlots
 
 log = logging.getLogger(__name__)
+
+
+SEED_STRIDE = 1_000_003
+"""Mixes ``student.seed`` into the sample order (a prime, so nearby seeds give unrelated orders)."""
+
+
+def sample_seed(cfg: DictConfig) -> int:
+    """Seed of the training-sample order: ``data.seed`` mixed with ``student.seed``, so a run with
+    another ``student.seed`` trains on another order of the same chunks as well as from another
+    init (``student.seed=0`` keeps the order of ``data.seed`` alone). The held-out split depends
+    on ``data.seed`` only."""
+    return int(cfg.data.seed) + SEED_STRIDE * int(cfg.student.seed)
 
 
 class TeacherTargets:
@@ -71,15 +84,21 @@ def _state_at(captured: dict[int, tuple[torch.Tensor, torch.Tensor]], position: 
 
 @torch.no_grad()
 def write_e2e_targets(teacher: Teacher, input_ids_BT: torch.Tensor, targets: list[SlotTarget]) -> None:
-    """Full forward of the batch; each slot gets its ids, top-k log-probs and final hidden state.
+    """Full forward of the batch; each slot gets its ids, final hidden state and, where the
+    layout has room for them (teachers with an LM head), its top-k log-probs.
 
     Logits are formed one sample at a time so memory stays at T x V floats, not B x T x V.
     """
+    final_BTD = teacher.model.base_model(input_ids=input_ids_BT.to(teacher.device), use_cache=False).last_hidden_state
+    if "topk_logp" not in targets[0].tensors:  # an encoder: its final hidden state is the target
+        for i, target in enumerate(targets):
+            target.tensors["input_ids"].copy_(input_ids_BT[i])
+            target.tensors["hidden"][0].copy_(final_BTD[i])
+        return
     lm_head = teacher.model.get_output_embeddings()
     if lm_head is None:
-        raise ValueError(f"the end-to-end stage needs a teacher with an LM head; {teacher.name_or_path} "
-                         "has none: set student.e2e.steps=0")
-    final_BTD = teacher.model.base_model(input_ids=input_ids_BT.to(teacher.device), use_cache=False).last_hidden_state
+        raise ValueError(f"the samples have room for top-k log-probabilities but {teacher.name_or_path} "
+                         "has no LM head: the workers and students disagree about the teacher")
     for i, target in enumerate(targets):
         out = target.tensors
         k = out["topk_logp"].shape[-1]

@@ -17,13 +17,11 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from distill.config import Loss
 from distill.train import checkpoint as ckpt
 from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
 from distill.train.context import (
@@ -31,31 +29,23 @@ from distill.train.context import (
     barrier,
     broadcast_int,
     gradient_sync,
+    is_sharded,
     wrap_for_training,
 )
-from distill.train.modules import build_stage_module
+from distill.train.losses import layer_loss
+from distill.train.modules import build_stage_module, load_stage_replacements
 from distill.train.stages import Stage
 from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.train.timing import timed
 from distill.train.transfer import BackgroundBatches, DevicePrefetcher
 from distill.train.transport import stage_dataset
+from distill.train.validation import BestWeights, LayerValidation, Validation
 
 log = logging.getLogger(__name__)
 
 STARVED_FRACTION = 0.05
 """Warn when students spend more than this share of their steps waiting for samples
 (the first batch of a stage, which waits for the teachers to switch, not counted)."""
-
-
-# ---------------------------------------------------------------------- losses
-def layer_loss(pred_BTD: torch.Tensor, target_BTD: torch.Tensor, kind: str) -> torch.Tensor:
-    """``nmse``: MSE(s, t) / MSE(t, 0) in fp32 (scale-free across layers); ``cosine``: 1 - cos."""
-    pred, target = pred_BTD.float(), target_BTD.float()
-    if kind == Loss.nmse:
-        return (pred - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
-    if kind == Loss.cosine:
-        return 1.0 - F.cosine_similarity(pred, target, dim=-1).mean()
-    raise ValueError(f"student.loss={kind!r}: choose one of {[k.value for k in Loss]}")
 
 
 def data_supply(wait_s: float, step_s: float, samples: int, startup_wait_s: float = 0.0) -> dict[str, float]:
@@ -86,28 +76,47 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
 class StageTrainer:
     """Trains the replacements of one stage: setup, train, save_checkpoint, cleanup."""
 
-    def __init__(self, ctx: StudentContext, stage: Stage) -> None:
+    validate_at_start = False
+    """Validate before the first step, so that the weights the stage starts from count among its
+    best (a stage that starts from a trained student must never end worse than it started)."""
+
+    def __init__(self, ctx: StudentContext, stage: Stage, student_cfg: DictConfig | None = None) -> None:
+        """``student_cfg``: the settings of this stage when not ``ctx.cfg.student`` (the
+        end-to-end stage and the hybrid's scoring pass have their own)."""
         self.ctx = ctx
         self.stage = stage
-        self.scfg = with_budget(ctx.cfg.student, ctx.world_size, ctx.cfg.data.seq_len)
+        self._planned_cfg = student_cfg or ctx.cfg.student
+        self.scfg = with_budget(self._planned_cfg, ctx.world_size, ctx.cfg.data.seq_len)
         self.start_step = 0
         self._loader_iter = None
         self._background: BackgroundBatches | None = None
         self.closed_loop: ClosedLoopInputs | None = None
+        self.validation: LayerValidation | None = None
         self.patience = Patience(self.scfg.patience, self.scfg.min_delta)
+        self.best = BestWeights()
 
     # -- setup
     def setup(self) -> None:
         self._setup_model()
         self._setup_optimizer()
         self._maybe_resume()
+        frozen = self._earlier_replacements()
+        self._setup_validation(frozen)
+        self._setup_inputs(frozen)
         self._setup_data()
-        self._setup_validation()
-        self._setup_inputs()
 
-    def _setup_inputs(self) -> None:
+    def _earlier_replacements(self) -> dict[int, nn.Module]:
+        """The trained replacements of the stages before this one (frozen), which build the
+        student's own inputs of this stage; loaded only where closed-loop inputs or the
+        leader's validation need them."""
+        if not (self.stage.closed_loop or self.ctx.leader):
+            return {}
+        return load_stage_replacements(self.ctx, [s for s in self.ctx.stages if s.index < self.stage.index])
+
+    def _setup_inputs(self, frozen: dict[int, nn.Module]) -> None:
         """Closed-loop input builder (``student.inputs``); None for teacher inputs."""
-        self.closed_loop = build_closed_loop(self.ctx, self.stage, self.scfg.steps_per_stage, self.start_step)
+        self.closed_loop = build_closed_loop(self.ctx, self.stage, frozen, self.scfg.steps_per_stage,
+                                             self.start_step)
 
     def _setup_model(self) -> None:
         torch.manual_seed(self.scfg.seed + self.stage.index)
@@ -127,6 +136,7 @@ class StageTrainer:
             state = ckpt.load_training_state(directory, module=self.module, optimizer=self.optimizer,
                                              scheduler=self.scheduler)
             self.start_step = int(state["step"])
+            self.best.load(state.get("best"), ckpt.load_best_weights(directory))
             log.info("stage %d: resumed at step %d from %s", self.stage.index, self.start_step, directory)
 
     def _setup_data(self) -> None:
@@ -153,30 +163,28 @@ class StageTrainer:
                                  persistent_workers=False)
         self._loader_iter = DevicePrefetcher(iter(self.loader), ctx.device)
 
-    def _setup_validation(self) -> None:
-        """Teacher targets on the held-out chunks (the same in every run), computed here once."""
-        self.val_pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        if not self.ctx.leader or len(self.ctx.heldout_NT) == 0:
-            return
-        bs = self.scfg.micro_batch_size
-        for start in range(0, len(self.ctx.heldout_NT), bs):
-            captured = self.ctx.teacher.capture(self.ctx.heldout_NT[start:start + bs], list(self.stage.layers))
-            for layer in self.stage.layers:
-                x, y = captured[layer]
-                self.val_pairs.setdefault(layer, []).append((x.float(), y.float()))
+    def _setup_validation(self, frozen: dict[int, nn.Module]) -> None:
+        """Held-out inputs and teacher targets of the stage's layers, computed here once (leader)."""
+        ctx = self.ctx
+        if ctx.leader and len(ctx.heldout_NT):
+            self.validation = LayerValidation(ctx.teacher, self.stage, ctx.heldout_NT, frozen,
+                                              self.scfg.micro_batch_size, ctx.device, self.scfg.loss)
 
     # -- train
-    def train(self) -> dict[str, float]:
+    def train(self) -> Validation:
         total = self.scfg.steps_per_stage
         accum = self.scfg.grad_accum_steps
         bar = tqdm(total=total, initial=self.start_step, disable=not self.ctx.leader, leave=True,
-                   desc=f"stage {self.stage.index} layers {','.join(map(str, self.stage.layers))}")
+                   desc=_progress_name(self.stage))
         started = time.monotonic()
         wait_s = compute_s = startup_wait_s = 0.0
         samples = 0
         losses: dict[int, float] = {}
         self.model.train()
-        steps_done, stopped = self.start_step, stop_reason(self.ctx.cfg.student, total)
+        steps_done, stopped = self.start_step, stop_reason(self._planned_cfg, total)
+        val, validated_at = Validation(), None
+        if self.validate_at_start and self.start_step == 0:
+            val, validated_at = self._timed_validate(0), 0
         for step in range(self.start_step, total):
             step_started = time.monotonic()
             for micro in range(accum):
@@ -200,10 +208,11 @@ class StageTrainer:
             done = steps_done = step + 1
             if done % self.scfg.log_every_steps == 0 or done == total:
                 self._log_train(done, losses, float(grad_norm), samples, started, wait_s, compute_s, bar)
-            validate_now = self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total
-            if validate_now and self._out_of_patience(self._timed_validate(done)):
-                stopped = STOP_PATIENCE
-                break
+            if self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total:
+                val, validated_at = self._timed_validate(done), done
+                if self._out_of_patience(val):
+                    stopped = STOP_PATIENCE
+                    break
             if self.scfg.checkpoint_every_steps and done % self.scfg.checkpoint_every_steps == 0 \
                     and done < total:
                 with timed(self.ctx.timings, "checkpoint_s"):
@@ -211,24 +220,44 @@ class StageTrainer:
         bar.close()
         supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
         self._report_starvation(supply)
-        val = self._timed_validate(steps_done)
+        if validated_at != steps_done:
+            val = self._timed_validate(steps_done)
+        val, best_step = self._keep_best(val, steps_done)
         timings = self.ctx.timings
         timings["student_compute_s"] = timings.get("student_compute_s", 0.0) + compute_s - wait_s
         timings["student_wait_s"] = timings.get("student_wait_s", 0.0) + wait_s
         timings["student_startup_wait_s"] = timings.get("student_startup_wait_s", 0.0) + startup_wait_s
-        self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "layers": list(self.stage.layers),
+        self.ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "kind": self.stage.kind,
+                              "layers": list(self.stage.layers),
                               "steps": steps_done, "tokens": samples * self.ctx.cfg.data.seq_len * self.ctx.world_size,
-                              "wall_s": time.monotonic() - started, "val": {str(k): v for k, v in val.items()},
-                              "stopped": stopped, **supply})
+                              "wall_s": time.monotonic() - started, **_json_record(val.record),
+                              "best_step": best_step, "stopped": stopped, **supply})
         return val
 
-    def _timed_validate(self, step: int) -> dict[int, float]:
+    def _timed_validate(self, step: int) -> Validation:
+        """Validate, and keep the weights if they are the best so far (the leader decides,
+        every rank keeps its own copy)."""
         with timed(self.ctx.timings, "validation_s"):
-            return self.validate(step)
+            val = self.validate(step)
+        if broadcast_int(int(self.best.improves(val)), self.ctx):
+            self.best.keep(self.module, val, step)
+        return val
 
-    def _out_of_patience(self, val: dict[int, float]) -> bool:
+    def _keep_best(self, last: Validation, step: int) -> tuple[Validation, int]:
+        """The stage's final weights are its best validated ones: restore them (every rank, as
+        the leader decides) when the last validation is worse than an earlier one."""
+        worse = last.score is not None and (math.isnan(last.score) or self.best.score < last.score)
+        restore = self.best.step is not None and self.best.step != step and worse
+        if not broadcast_int(int(restore), self.ctx):
+            return last, step
+        self.best.restore(self.module)
+        log.info("stage %d: restored the weights of step %d (validation %.5g; step %d: %.5g)",
+                 self.stage.index, self.best.step, self.best.score, step, last.score)
+        return Validation(self.best.score, self.best.record), self.best.step
+
+    def _out_of_patience(self, val: Validation) -> bool:
         """Leader decides from its validation (others have none); every rank gets the verdict."""
-        stop = bool(val) and self.patience.update(sum(val.values()) / len(val))
+        stop = val.score is not None and self.patience.update(val.score)
         stop = bool(broadcast_int(int(stop), self.ctx))
         if stop and self.ctx.leader:
             log.info("stage %d: validation has not improved for %d validations: stopping early",
@@ -256,7 +285,8 @@ class StageTrainer:
         rate = samples * self.ctx.world_size / elapsed
         wait_fraction = wait_s / max(compute_s, 1e-9)
         bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}", wait=f"{wait_fraction:.0%}")
-        self.ctx.log_metrics({"event": "train", "stage": self.stage.index, "layers": list(self.stage.layers),
+        self.ctx.log_metrics({"event": "train", "stage": self.stage.index, "kind": self.stage.kind,
+                              "layers": list(self.stage.layers),
                               "step": step, "loss": mean, "layer_losses": {str(k): v for k, v in losses.items()},
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "samples_per_s": rate, "wait_fraction": wait_fraction, "time_s": elapsed})
@@ -277,21 +307,20 @@ class StageTrainer:
                     / max(supply["delivered_samples_per_s"], 1e-9))
 
     @torch.no_grad()
-    def validate(self, step: int) -> dict[int, float]:
-        """Per-layer loss on the fixed held-out set (leader only; others wait at the barrier)."""
-        result: dict[int, float] = {}
-        if self.ctx.leader and self.val_pairs:
+    def validate(self, step: int) -> Validation:
+        """Per-layer losses on the fixed held-out set, teacher-forced and on the student's own
+        inputs (leader only; others wait at the barrier and get an empty Validation)."""
+        result = Validation()
+        if self.validation is not None:
             self.module.eval()
-            for layer, pairs in self.val_pairs.items():
-                block = self.module.blocks[str(layer)]
-                values = [layer_loss(block(x.to(self.ctx.device)), y.to(self.ctx.device), self.scfg.loss)
-                          for x, y in pairs]
-                result[layer] = float(torch.stack(values).mean())
+            result = self.validation(self.module.blocks)
             self.module.train()
-            self.ctx.log_metrics({"event": "val", "stage": self.stage.index, "step": step,
-                                  "layer_losses": {str(k): v for k, v in result.items()}})
-            log.info("stage %d step %d validation: %s", self.stage.index, step,
-                     ", ".join(f"layer {k}: {v:.4f}" for k, v in result.items()))
+            self.ctx.log_metrics({"event": "val", "stage": self.stage.index, "kind": self.stage.kind, "step": step,
+                                  "layer_losses": _by_str(result.record["val"]),
+                                  "student_losses": _by_str(result.record["val_student"])})
+            log.info("stage %d step %d validation (teacher inputs / student inputs): %s", self.stage.index, step,
+                     ", ".join(f"layer {k}: {v:.4f} / {result.record['val_student'][k]:.4f}"
+                               for k, v in result.record["val"].items()))
         barrier(self.ctx)
         return result
 
@@ -301,7 +330,9 @@ class StageTrainer:
         ckpt.save_training_state(self.ctx.checkpoint_dir, stage=self.stage.index, step=step,
                                  module=self.module, optimizer=self.optimizer,
                                  scheduler=self.scheduler,
-                                 extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True)},
+                                 best=None if is_sharded(self.module) else self.best.tensors,
+                                 extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True),
+                                        "best": _json_record(self.best.meta())},
                                  write=self.ctx.leader)
         barrier(self.ctx)
 
@@ -322,6 +353,24 @@ class StageTrainer:
             self._background = None
         self._loader_iter = None  # shuts DataLoader workers down; their pools unlink
         self.loader = None
+
+
+def _progress_name(stage: Stage) -> str:
+    """The stage as its progress bar names it."""
+    if stage.kind == "e2e":
+        return f"stage {stage.index} end-to-end"
+    what = "scoring layers" if stage.kind == "score" else "layers"
+    return f"stage {stage.index} {what} {','.join(map(str, stage.layers))}"
+
+
+def _by_str(values: dict[int, float]) -> dict[str, float]:
+    """JSON keys for per-layer values."""
+    return {str(k): v for k, v in values.items()}
+
+
+def _json_record(record: dict) -> dict:
+    """A validation record with JSON keys (per-layer dicts keyed by str)."""
+    return {key: _by_str(value) if isinstance(value, dict) else value for key, value in record.items()}
 
 
 def train_stage(trainer: StageTrainer) -> None:

@@ -24,6 +24,7 @@ def _tiny(tmp_path: Path, layers: int = 3) -> list[str]:
         "data.seq_len=32", "data.max_heldout_chunks=8", "student.micro_batch_size=4",
         "student.log_every_steps=2", "pipeline.slot_count=8", "pipeline.heartbeat_interval_s=0.5",
         "local.num_workers=2", "local.num_students=2", "log_level=INFO",
+        "student.e2e.steps=0",  # tests that need the end-to-end stage turn it on
     ]
 
 
@@ -133,16 +134,24 @@ def _is_rank(pid: int) -> bool:
 
 
 def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
+    """The pre-trained tiny BERT (a few masked-LM steps here), its layer stages, then an
+    end-to-end stage on its final hidden state; per-layer scores come before and after it."""
     overrides = [*_tiny(tmp_path, layers=2), "teacher=tiny_bert", "teacher.tiny.hidden_size=32",
                  "replacement=linear_attention", "run_id=e2ebert", "student.steps_per_stage=10",
-                 "student.layers_per_stage=2", f"checkpoint_dir={tmp_path / 'ckpt'}"]
+                 "student.layers_per_stage=2", "student.e2e.steps=6", "student.val_every_steps=3",
+                 f"checkpoint_dir={tmp_path / 'ckpt'}"]
     result = _run(overrides, tmp_path / "run", tmp_path)
     log = result.stdout + result.stderr
     _wait_gone("e2ebert")
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["eval"]["kind"] == "encoder"
-    assert 0 < result["eval"]["student"] <= 1.0
-    assert set(result["eval"]["per_layer"]) == {"0", "1"}
+    assert 0 < result["eval"]["identity"] < result["eval"]["student"] <= 1.0
+    assert set(result["eval"]["per_layer"]) == set(result["eval"]["per_layer_layer_stages"]) == {"0", "1"}
+    assert result["eval"]["per_layer"] != result["eval"]["per_layer_layer_stages"]
+    assert 0 < result["summary"]["student_after_layer_stages"] <= 1.0
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["event"] == "e2e_val"] == [0, 3, 6]  # 0: the layer stages' student
+    assert all(0 < m["cosine"] <= 1 for m in metrics if m["event"] == "e2e_val")
     _check_data_supply_and_time_split(tmp_path / "run", log)
 
     # The same command again: every stage comes finished from its checkpoint, nothing is

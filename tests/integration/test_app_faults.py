@@ -65,6 +65,7 @@ class App:
                 "data.max_heldout_chunks=4", "student.micro_batch_size=4", "student.log_every_steps=1",
                 "pipeline.slot_count=8", "pipeline.worker_max_batch=4",
                 f"pipeline.heartbeat_interval_s={HEARTBEAT_S}", "evaluate=false", "log_level=INFO",
+                "student.e2e.steps=0",
                 f"run_id={self.run_id}", f"pipeline.socket_dir={self.socket_dir}",
                 f"checkpoint_dir={self.checkpoint_dir}", f"hydra.run.dir={self.run_dir}",
                 "hydra.output_subdir=null", *extra]

@@ -1,7 +1,7 @@
 """An exported student loads with the HF Auto classes in a process that cannot import distill.
 
-A decoder student (linear attention, a kept teacher layer, a token-wise layer) and an encoder
-student are exported, their directories copied elsewhere, and a fresh ``python -I`` (no
+A decoder student (linear attention, sliding-window + linear attention, a kept teacher layer,
+gated linear attention, a token-wise layer) and an encoder student of the same kinds are exported, their directories copied elsewhere, and a fresh ``python -I`` (no
 PYTHONPATH, no user site, no current directory on the path) with ``distill`` blocked in
 ``sys.modules`` loads them through ``trust_remote_code=True``: its logits must equal
 ``load_student``'s, its greedy generation with the cache must equal the one without, and
@@ -24,10 +24,12 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 from distill.model.assemble import export_student, load_student
 from distill.model.teacher import Teacher
+from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.mlp import ResidualMLP
+from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
 
-SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5,
          "num_attention_heads": 4, "initializer_range": 0.2}
 CFG = {"_target_": "recorded.only", "_partial_": True}
 
@@ -70,7 +72,10 @@ def _students(tmp_path: Path) -> tuple[Path, Path]:
                                            attention_probs_dropout_prob=0.0)))
     paths = []
     for teacher in (decoder, encoder):
-        replacements = {0: LinearAttentionLayer(teacher, 0, chunk_size=4), 2: ResidualMLP(teacher, 2)}
+        replacements = {0: LinearAttentionLayer(teacher, 0, chunk_size=4),
+                        1: SlidingWindowLinearLayer(teacher, 1, window=3, chunk_size=4),
+                        3: GatedLinearAttentionLayer(teacher, 3, gate_init=0.9, chunk_size=4),
+                        4: ResidualMLP(teacher, 4)}
         with torch.no_grad():
             for module in replacements.values():
                 for param in module.parameters():

@@ -1,6 +1,8 @@
-"""The quality tools through the CLI: mode=local with closed-loop (mix) inputs, patience,
-then an end-to-end LoRA stage on 2 gloo DDP ranks, killed with SIGKILL mid-stage and
-resumed; the exported student is the end-to-end one and loads back."""
+"""The quality tools through the CLI: mode=local with an automatic hybrid (a scoring pass over
+both layers, one kept), closed-loop (mix) inputs, patience, then an end-to-end LoRA stage on 2
+gloo DDP ranks, killed with SIGKILL mid-stage and resumed; the resumed run keeps the hybrid's
+choice, and the exported student is the end-to-end one, with only the converted layer
+replaced, and loads back."""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from tests.integration.test_app import (
     _wait_gone,
 )
 
-E2E_STAGE = 2
-"""Index of the end-to-end stage after the 2 layer stages."""
+E2E_STAGE = 3
+"""Index of the end-to-end stage after the 2 scoring stages and the 1 layer stage."""
 
 
 def _overrides(tmp_path: Path) -> list[str]:
@@ -34,7 +36,7 @@ def _overrides(tmp_path: Path) -> list[str]:
             "replacement=mlp", "student.inputs=mix", "student.steps_per_stage=8", "student.val_every_steps=2",
             "student.patience=1", "student.min_delta=10", "student.e2e.steps=30", "student.e2e.trainable=lora",
             "student.e2e.lr=1e-2", "student.e2e.top_k=8", "student.e2e.hidden_weight=0.1",
-            "student.checkpoint_every_steps=4"]
+            "student.checkpoint_every_steps=4", "student.hybrid.keep_softmax=1", "student.hybrid.steps=4"]
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 120)
@@ -59,12 +61,16 @@ def test_closed_loop_patience_and_e2e_stage_resume_after_kill(tmp_path: Path) ->
 
     log = (result := _run(overrides, tmp_path / "run2", tmp_path)).stdout + result.stderr
     _wait_gone("qualitye2e")
-    assert "stage 1 (layers [1]) already trained: skipping" in log
+    choice = json.loads((tmp_path / "run2" / "result.json").read_text())["hybrid"]
+    (converted,), (kept,) = choice["converted"], choice["kept"]
+    assert f"automatic hybrid: converting layers [{converted}], keeping layers [{kept}]" in log
+    assert f"stage 2 (layers [{converted}]) already trained: skipping" in log
     assert f"stage {E2E_STAGE}: resumed at step {killed_at}" in log
 
     run1 = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
     layer_ends = [m for m in run1 if m["event"] == "stage_end"]
-    assert [(m["steps"], m["stopped"]) for m in layer_ends] == [(4, "patience"), (4, "patience")]
+    assert [(m["kind"], m["steps"], m["stopped"]) for m in layer_ends] == [
+        ("score", 4, "steps"), ("score", 4, "steps"), ("layers", 4, "patience")]
     run2 = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert [m["stage"] for m in run2 if m["event"] == "stage_end"] == [E2E_STAGE]
     assert run2[-1]["event"] == "stage_end" and run2[-1]["steps"] == 30
@@ -76,6 +82,10 @@ def test_closed_loop_patience_and_e2e_stage_resume_after_kill(tmp_path: Path) ->
 
     from distill import load_student
 
+    manifest = json.loads((tmp_path / "run2" / "student" / "distill_student.json").read_text())
+    assert list(manifest["layers"]) == [str(converted)]
+    report = (tmp_path / "run2" / "report.md").read_text()
+    assert "## Automatic hybrid" in report and (tmp_path / "run2" / "hybrid.png").exists()
     model = load_student(str(tmp_path / "run2" / "student"))  # strict load: LoRA was merged away
     ids = torch.randint(0, 300, (1, 8))
     assert model(ids).logits.shape == (1, 8, model.config.vocab_size)

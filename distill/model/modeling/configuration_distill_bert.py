@@ -27,6 +27,8 @@ LAYER_KINDS: dict[str, tuple[str, ...]] = {
     "lowrank": ("ranks",),
     "mlp": ("hidden_units", "activation", "norm", "norm_eps"),
     "linear_attention": ("feature_map", "feature_dim", "chunk_size"),
+    "sliding_window_linear": ("feature_map", "feature_dim", "chunk_size", "window"),
+    "gated_linear_attention": ("feature_map", "feature_dim", "chunk_size"),
 }
 """Kind of a replaced layer -> the keys its entry in ``distill_layers`` must carry."""
 

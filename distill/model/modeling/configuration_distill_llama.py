@@ -17,6 +17,9 @@ key at the top level as in the teacher's own ``config.json``) plus what makes it
                          kinds and their options are listed in ``LAYER_KINDS``
     layer_types          the cache layer each layer's decode state needs (see
                          ``modeling_distill_llama``); derived from the two above when absent
+    sliding_window       the teacher's key, which transformers sizes every KV ring by: with
+                         sliding-window + linear attention layers, their largest window unless
+                         a teacher layer with a window of its own still runs
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ LAYER_KINDS: dict[str, tuple[str, ...]] = {
     "lowrank": ("ranks",),
     "mlp": ("hidden_units", "activation", "norm", "norm_eps"),
     "linear_attention": ("feature_map", "feature_dim", "chunk_size"),
+    "sliding_window_linear": ("feature_map", "feature_dim", "chunk_size", "window"),
+    "gated_linear_attention": ("feature_map", "feature_dim", "chunk_size"),
 }
 """Kind of a replaced layer -> the keys its entry in ``distill_layers`` must carry."""
 
@@ -39,8 +44,19 @@ RECURRENT_LAYER_TYPE = "linear_attention"
 transformers' own ``LinearAttentionLayer``. A standard type, so that transformers' config
 checks (run by ``save_pretrained`` and by ``AutoTokenizer`` on any config) accept it."""
 
+HYBRID_LAYER_TYPE = "hybrid_sliding"
+"""Cache layer type of sliding-window + linear attention layers: transformers'
+``LinearAttentionAndSlidingWindowAttentionLayer``, a KV ring of ``sliding_window - 1`` positions
+plus a linear state."""
+
 KV_KINDS = ("copy", "pruned", "lowrank")
 """Kinds that run the teacher's own attention and so keep a KV cache of the teacher's type."""
+
+WINDOW_KINDS = ("sliding_window_linear",)
+"""Kinds whose cache layer is a ``hybrid_sliding`` ring sized by ``sliding_window``."""
+
+SLIDING_TEACHER_TYPES = ("sliding_attention", "chunked_attention")
+"""Teacher attention types whose KV cache is a ring sized by ``sliding_window`` too."""
 
 
 class DistillLlamaConfig(PreTrainedConfig):
@@ -66,15 +82,47 @@ class DistillLlamaConfig(PreTrainedConfig):
         self.teacher_layer_types = list(teacher_layer_types or ["full_attention"] * num_layers)
         self.layer_types = list(layer_types or _cache_layer_types(self))
         _check(self)
+        _size_rings(self)
 
 
 def _cache_layer_types(config: DistillLlamaConfig) -> list[str]:
-    """Per layer: the teacher's type where the teacher's attention runs, else the recurrent type."""
+    """Per layer: the teacher's type where the teacher's attention runs, else the kind's state type."""
     types = []
     for idx, teacher_type in enumerate(config.teacher_layer_types):
         spec = config.distill_layers.get(str(idx))
-        types.append(teacher_type if spec is None or spec["kind"] in KV_KINDS else RECURRENT_LAYER_TYPE)
+        if spec is None or spec["kind"] in KV_KINDS:
+            types.append(teacher_type)
+        else:
+            types.append(HYBRID_LAYER_TYPE if spec["kind"] in WINDOW_KINDS else RECURRENT_LAYER_TYPE)
     return types
+
+
+def _size_rings(config: DistillLlamaConfig) -> None:
+    """Make ``sliding_window`` hold the window layers' KV rings (transformers sizes every ring from it).
+
+    Where no teacher attention with a window of its own runs, it becomes the largest window
+    (at least 2: the ring keeps ``sliding_window - 1`` positions). Where one does (a Mistral
+    layer kept), it stays the teacher's and must be at least every window: the ring then holds
+    more positions than the window reads.
+    """
+    windows = [int(spec["window"]) for spec in config.distill_layers.values() if spec["kind"] in WINDOW_KINDS]
+    if not windows:
+        return
+    teacher_rings = [
+        teacher_type for idx, teacher_type in enumerate(config.teacher_layer_types)
+        if teacher_type in SLIDING_TEACHER_TYPES
+        and config.distill_layers.get(str(idx), {"kind": "copy"})["kind"] in KV_KINDS
+    ]
+    if not teacher_rings:
+        config.sliding_window = max(2, *windows)
+        return
+    ring = getattr(config, "sliding_window", None)
+    if ring is None or ring < max(windows):
+        raise ValueError(
+            f"distill_llama config: a window of {max(windows)} positions does not fit the KV ring of "
+            f"sliding_window={ring} that the teacher's own sliding-window layers share with it; use "
+            f"replacement.window <= {ring}, or replace those layers too."
+        )
 
 
 def _check(config: DistillLlamaConfig) -> None:

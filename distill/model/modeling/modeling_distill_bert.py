@@ -16,13 +16,18 @@ class per kind of ``config.distill_layers[i]["kind"]``:
     mlp                     DistillBertResidualMLP: ``x + W2 act(W1 norm(x))``, token-wise
     linear_attention        DistillBertLinearAttentionLayer: the teacher layer with softmax
                             attention swapped for (bidirectional) linear attention
+    sliding_window_linear   the same, with exact softmax attention over every position less
+                            than ``window`` away and linear attention over farther ones
+    gated_linear_attention  the same, with linear attention over both sides whose terms decay
+                            by gates computed from the layer input
 
 Every replaced layer takes ``(hidden_states, attention_mask, position_ids, cache)`` like the
 decoder's; ``attention_mask`` is the 2D padding mask (1 = token, 0 = padding) and padded
 positions add nothing to any state or normaliser. Encoders keep no cache.
 
 Shape legend: B batch, T positions, D hidden size, H attention heads, E head size,
-F features per head, X = E + 1 (values plus the normaliser column), N chunks, C chunk length.
+F features per head, X = E + 1 (values plus the normaliser column), N chunks, C chunk length,
+S keys, W places in a window, L keys older than a window, Y any last dimension.
 """
 
 from __future__ import annotations
@@ -66,24 +71,34 @@ def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.T
 # ---------------------------------------------------------------------- kernels
 
 
-def causal_linear_attention(
+def normalise(numden_BHTX: torch.Tensor) -> torch.Tensor:
+    # Copied from modeling_distill_llama.normalise
+    """``num / den`` for values that carry their normaliser as the last column."""
+    return numden_BHTX[..., :-1] / (numden_BHTX[..., -1:] + DENOMINATOR_EPS)
+
+
+def with_ones(v_BHTE: torch.Tensor) -> torch.Tensor:
+    # Copied from modeling_distill_llama.with_ones
+    """float32 values with a column of ones, so the normaliser travels in the same matmuls."""
+    return F.pad(v_BHTE.float(), (0, 1), value=1.0)
+
+
+def causal_linear_numden(
     phi_q_BHTF: torch.Tensor,
     phi_k_BHTF: torch.Tensor,
-    v_BHTE: torch.Tensor,
+    v1_BHTX: torch.Tensor,
     chunk_size: int,
     state_BHFX: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Copied from modeling_distill_llama.causal_linear_attention
-    """Chunked form: ``out_t = sum_{s<=t} (phi_q_t . phi_k_s) v_s / sum_{s<=t} phi_q_t . phi_k_s``.
+    # Copied from modeling_distill_llama.causal_linear_numden
+    """Chunked ``sum_{s<=t} (phi_q_t . phi_k_s) v1_s``, unnormalised, and the state after the last position.
 
     Masked quadratic attention inside each chunk of ``chunk_size`` positions, plus the state
     of everything before the chunk: ``state_BHFX`` (the positions before this call, or none)
-    and the exclusive prefix sum of the earlier chunks. Values carry a column of ones, so the
-    normaliser travels in the same matmuls. Returns float32 ``out_BHTE`` and the state after
-    the last position. Padding positions must have zero ``phi_k``: they then add nothing.
+    and the exclusive prefix sum of the earlier chunks. Padding positions must have zero
+    ``phi_k``: they then add nothing.
     """
     seq_len = phi_q_BHTF.shape[2]
-    v1_BHTX = F.pad(v_BHTE.float(), (0, 1), value=1.0)
     chunk = min(chunk_size, seq_len)
     pad = -seq_len % chunk
     q_BHNCF, k_BHNCF, v1_BHNCX = (
@@ -97,9 +112,26 @@ def causal_linear_attention(
     if state_BHFX is not None:
         prefix_BHNFX = prefix_BHNFX + state_BHFX.float().unsqueeze(2)
     numden_BHNCX = scores_BHNCC @ v1_BHNCX + q_BHNCF @ prefix_BHNFX
-    out_BHNCE = numden_BHNCX[..., :-1] / (numden_BHNCX[..., -1:] + DENOMINATOR_EPS)
     final_BHFX = total_BHNFX[:, :, -1] if state_BHFX is None else total_BHNFX[:, :, -1] + state_BHFX.float()
-    return out_BHNCE.flatten(2, 3)[:, :, :seq_len], final_BHFX
+    return numden_BHNCX.flatten(2, 3)[:, :, :seq_len], final_BHFX
+
+
+def causal_linear_attention(
+    phi_q_BHTF: torch.Tensor,
+    phi_k_BHTF: torch.Tensor,
+    v_BHTE: torch.Tensor,
+    chunk_size: int,
+    state_BHFX: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Copied from modeling_distill_llama.causal_linear_attention
+    """Chunked form: ``out_t = sum_{s<=t} (phi_q_t . phi_k_s) v_s / sum_{s<=t} phi_q_t . phi_k_s``.
+
+    :func:`causal_linear_numden` with values carrying a column of ones (the normaliser).
+    Returns float32 ``out_BHTE`` and the state after the last position (``state_BHFX``: the
+    positions before this call, or none). Padding positions must have zero ``phi_k``.
+    """
+    numden_BHTX, final_BHFX = causal_linear_numden(phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), chunk_size, state_BHFX)
+    return normalise(numden_BHTX), final_BHFX
 
 
 def bidirectional_linear_attention(
@@ -111,6 +143,129 @@ def bidirectional_linear_attention(
     state_BHFX = k_BHTF.transpose(-1, -2) @ F.pad(v_BHTE.float(), (0, 1), value=1.0)
     numden_BHTX = q_BHTF @ state_BHFX
     return numden_BHTX[..., :-1] / (numden_BHTX[..., -1:] + DENOMINATOR_EPS)
+
+
+def key_windows(x_BHSY: torch.Tensor, num_queries: int, before: int, after: int) -> torch.Tensor:
+    # Copied from modeling_distill_llama.key_windows
+    """Each query's window of keys, ``(B, H, T, Y, before + 1 + after)`` (a view).
+
+    Query t is key ``S - T + t`` (the ``S - T <= before`` keys before the first query are a
+    past, e.g. a KV ring) and its window is keys ``S - T + t - before .. S - T + t + after``;
+    places outside the keys hold zeros.
+    """
+    past = x_BHSY.shape[2] - num_queries
+    return F.pad(x_BHSY, (0, 0, before - past, after)).unfold(2, before + 1 + after, 1)
+
+
+def window_keep(mask_BS: torch.Tensor | None, num_keys: int, num_queries: int, before: int, after: int,
+                device: torch.device) -> torch.Tensor:
+    # Copied from modeling_distill_llama.window_keep
+    """bool ``(B or 1, 1, T, window)``: which places of each query's window hold a real key."""
+    valid_BS = torch.ones(1, num_keys, device=device) if mask_BS is None else mask_BS.float()
+    return key_windows(valid_BS[:, None, :, None], num_queries, before, after)[:, :, :, 0] > 0
+
+
+def window_softmax_numden(
+    q_BHTE: torch.Tensor,
+    k_BHSE: torch.Tensor,
+    v1_BHSX: torch.Tensor,
+    keep_BHTW: torch.Tensor,
+    before: int,
+    after: int,
+    scale: float,
+) -> torch.Tensor:
+    # Copied from modeling_distill_llama.window_softmax_numden
+    """``sum_{s in window(t)} exp(scale q_t . k_s - m_t) v1_s``: softmax attention over each window, unnormalised.
+
+    ``m_t`` is the largest score in t's window, so the largest weight is exactly 1 (stable, and
+    on the scale of the linear-attention weights it is added to); the last column is the
+    window's softmax normaliser. Places ``keep_BHTW`` marks False (padding, outside the
+    sequence) weigh 0; a window with no real key gives zeros, never NaN.
+    """
+    seq_len = q_BHTE.shape[2]
+    keys_BHTEW = key_windows(k_BHSE.float(), seq_len, before, after)
+    scores_BHTW = torch.einsum("bhte,bhtew->bhtw", q_BHTE.float(), keys_BHTEW) * scale
+    scores_BHTW = scores_BHTW.masked_fill(~keep_BHTW, torch.finfo(torch.float32).min)
+    weights_BHTW = torch.exp(scores_BHTW - scores_BHTW.amax(dim=-1, keepdim=True)) * keep_BHTW
+    return torch.einsum("bhtw,bhtxw->bhtx", weights_BHTW, key_windows(v1_BHSX, seq_len, before, after))
+
+
+def delayed_keys(x_BHLY: torch.Tensor, num_queries: int, past: int, delay: int) -> torch.Tensor:
+    # Copied from modeling_distill_llama.delayed_keys
+    """``x`` moved ``delay`` places later, for the T queries: row t holds key ``past + t - delay``
+    (zeros before key 0), so a causal kernel over the queries sees only keys at least ``delay``
+    positions older than each query (``delay >= past``; ``x`` may stop at key ``past + T - delay``)."""
+    return F.pad(x_BHLY, (0, 0, delay - past, 0))[:, :, :num_queries]
+
+
+def gated_linear_numden(
+    phi_q_BHTF: torch.Tensor,
+    phi_k_BHTF: torch.Tensor,
+    v1_BHTX: torch.Tensor,
+    log_g_BHT: torch.Tensor,
+    chunk_size: int,
+    state_BHFX: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Copied from modeling_distill_llama.gated_linear_numden
+    """Chunked ``sum_{s<=t} (prod_{s<r<=t} g_r) (phi_q_t . phi_k_s) v1_s``, unnormalised, and the state after.
+
+    The state is ``S_t = g_t S_{t-1} + phi_k_t v1_t^T`` (``state_BHFX`` before the first
+    position, or zeros). Inside a chunk the decays ``exp(L_t - L_s)`` (``L`` the chunk's own
+    cumulative sum of ``log g``) are at most 1, so nothing overflows; a loop over the chunks
+    carries the state, decayed by each chunk's total. Padding positions must have zero
+    ``phi_k`` and ``log g``: they then add nothing and decay nothing.
+    """
+    seq_len = phi_q_BHTF.shape[2]
+    chunk = min(chunk_size, seq_len)
+    pad = -seq_len % chunk
+    q_BHNCF, k_BHNCF, v1_BHNCX = (
+        F.pad(x.float(), (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (phi_q_BHTF, phi_k_BHTF, v1_BHTX)
+    )
+    cum_BHNC = F.pad(log_g_BHT.float(), (0, pad)).unflatten(2, (-1, chunk)).cumsum(dim=-1)
+    causal_CC = torch.ones(chunk, chunk, dtype=torch.bool, device=q_BHNCF.device).tril()
+    decay_BHNCC = (cum_BHNC[..., :, None] - cum_BHNC[..., None, :]).masked_fill(~causal_CC, -torch.inf).exp()
+    inside_BHNCX = ((q_BHNCF @ k_BHNCF.transpose(-1, -2)) * decay_BHNCC) @ v1_BHNCX
+    to_end_BHNC = (cum_BHNC[..., -1:] - cum_BHNC).exp()
+    kv_BHNFX = (k_BHNCF * to_end_BHNC[..., None]).transpose(-1, -2) @ v1_BHNCX
+    across_BHN = cum_BHNC[..., -1].exp()
+    state_BHFX = kv_BHNFX.new_zeros(kv_BHNFX[:, :, 0].shape) if state_BHFX is None else state_BHFX.float()
+    prefixes = []
+    for n in range(kv_BHNFX.shape[2]):
+        prefixes.append(state_BHFX)
+        state_BHFX = state_BHFX * across_BHN[:, :, n, None, None] + kv_BHNFX[:, :, n]
+    before_BHNCX = (q_BHNCF * cum_BHNC.exp()[..., None]) @ torch.stack(prefixes, dim=2)
+    return (inside_BHNCX + before_BHNCX).flatten(2, 3)[:, :, :seq_len], state_BHFX
+
+
+def gated_linear_attention_step(
+    phi_q_BH1F: torch.Tensor, phi_k_BH1F: torch.Tensor, v_BH1E: torch.Tensor, log_g_BH1: torch.Tensor,
+    state_BHFX: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Copied from modeling_distill_llama.gated_linear_attention_step
+    """Recurrent form for one position: ``S = g S + phi(k) [v, 1]^T``, then ``out = phi(q) S`` normalised."""
+    update_BHFX = phi_k_BH1F.float().transpose(-1, -2) @ with_ones(v_BH1E)
+    if state_BHFX is not None:
+        update_BHFX = update_BHFX + state_BHFX.float() * log_g_BH1.float().exp()[..., None]
+    return normalise(phi_q_BH1F.float() @ update_BHFX), update_BHFX
+
+
+def bidirectional_gated_numden(
+    phi_q_BHTF: torch.Tensor, phi_k_BHTF: torch.Tensor, v1_BHTX: torch.Tensor, log_g_BHT: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    # Copied from modeling_distill_llama.bidirectional_gated_numden
+    """Every key, decayed by the gates between it and the query (those it crosses, the query's included).
+
+    Keys up to the query: :func:`gated_linear_numden`. Keys after it: the same kernel on the
+    reversed sequence, each key moved one place on (so only strictly later keys count) and
+    decayed by the gate of the place it moves to, which is the one it crosses there.
+    """
+    forward_BHTX, _ = gated_linear_numden(phi_q_BHTF, phi_k_BHTF, v1_BHTX, log_g_BHT, chunk_size)
+    seq_len = phi_q_BHTF.shape[2]
+    log_g_rev_BHT = log_g_BHT.float().flip(2)
+    k_rev_BHTF = delayed_keys(phi_k_BHTF.float().flip(2), seq_len, 0, 1) * log_g_rev_BHT.exp()[..., None]
+    v1_rev_BHTX = delayed_keys(v1_BHTX.flip(2), seq_len, 0, 1)
+    backward_BHTX, _ = gated_linear_numden(phi_q_BHTF.flip(2), k_rev_BHTF, v1_rev_BHTX, log_g_rev_BHT, chunk_size)
+    return forward_BHTX + backward_BHTX.flip(2)
 
 
 # ---------------------------------------------------------------------- linear attention
@@ -199,6 +354,215 @@ class LinearAttention(nn.Module):
         return maps + 2 * self.num_heads * macs
 
 
+class SlidingWindowLinearAttention(LinearAttention):
+    # Copied from modeling_distill_llama.SlidingWindowLinearAttention
+    """Exact softmax attention over a window of nearby positions, linear attention over the rest, one normaliser.
+
+    LoLCATs' formulation (Zhang et al. 2024): ``out_t = (w_h sum_{s in window} exp(q_t . k_s / sqrt(E) - m_t) v_s
+    + sum_{s outside} phi(q_t) . phi(k_s) v_s) / (the same sums without v)``, ``m_t`` the window's
+    largest score and ``w_h = sigmoid(window_factor_h)`` a learned per-head weight of the window
+    against the linear part. Causal: the window is the last ``window`` positions (the query's
+    own included) and linear attention covers every older one. Bidirectional: the window is
+    every position less than ``window`` away on either side (2 * window - 1 of them: the same
+    reach as the causal window, in both directions, as an encoder's context is) and linear
+    attention covers the farther ones. With ``window`` >= T it is exactly softmax attention.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        feature_map: str,
+        feature_dim: int,
+        causal: bool,
+        chunk_size: int,
+        window: int,
+        scale: float,
+        window_factor_init: float = 0.0,
+        **factory: Any,
+    ) -> None:
+        super().__init__(num_heads, head_dim, feature_map, feature_dim, causal, chunk_size, **factory)
+        self.window = window
+        self.scale = scale
+        self.window_factor_init = window_factor_init
+        self.window_factor_H = nn.Parameter(torch.full((num_heads,), float(window_factor_init), **factory))
+
+    def forward(
+        self,
+        q_BHTE: torch.Tensor,
+        k_BHSE: torch.Tensor,
+        v_BHSE: torch.Tensor,
+        mask_BS: torch.Tensor | None = None,
+        state_BHFX: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 ``out_BHTE`` and (causal) the linear state of every key older than the next position's window.
+
+        Keys and values are the ``S - T`` (< window) positions before the queries (the KV ring
+        of a cache) and the T new ones; ``state_BHFX`` holds every position before those;
+        ``mask_BS`` (1 = token, 0 = padding) covers the S keys.
+        """
+        seq_len, num_keys = q_BHTE.shape[2], k_BHSE.shape[2]
+        past, window = num_keys - seq_len, self.window
+        weight_H11 = torch.sigmoid(self.window_factor_H.float())[:, None, None]
+        v1_BHSX = with_ones(v_BHSE)
+        if self.causal and seq_len == 1 and state_BHFX is not None:
+            return self._step(q_BHTE, k_BHSE, v1_BHSX, mask_BS, state_BHFX, weight_H11)
+        after = 0 if self.causal else window - 1
+        keep_BHTW = window_keep(mask_BS, num_keys, seq_len, window - 1, after, q_BHTE.device)
+        window_BHTX = window_softmax_numden(q_BHTE, k_BHSE, v1_BHSX, keep_BHTW, window - 1, after, self.scale)
+        phi_q_BHTF = self.q_features(q_BHTE)
+        if not self.causal:
+            return normalise(weight_H11 * window_BHTX + self._far_numden(phi_q_BHTF, k_BHSE, v1_BHSX, mask_BS)), None
+        gone = max(0, num_keys - window + 1)  # keys older than the next position's window
+        phi_k_BHLF = self.k_features(k_BHSE[:, :, :gone])
+        if mask_BS is not None:
+            phi_k_BHLF = phi_k_BHLF * mask_BS[:, None, :gone, None]
+        older_BHTX, state_BHFX = causal_linear_numden(
+            phi_q_BHTF, delayed_keys(phi_k_BHLF, seq_len, past, window),
+            delayed_keys(v1_BHSX[:, :, :gone], seq_len, past, window), self.chunk_size, state_BHFX,
+        )
+        if gone:  # the key leaving the window now: seen by the next position's linear part
+            state_BHFX = state_BHFX + phi_k_BHLF[:, :, -1:].transpose(-1, -2) @ v1_BHSX[:, :, gone - 1 : gone]
+        return normalise(weight_H11 * window_BHTX + older_BHTX), state_BHFX
+
+    def _step(
+        self, q_BH1E: torch.Tensor, k_BHSE: torch.Tensor, v1_BHSX: torch.Tensor, mask_BS: torch.Tensor | None,
+        state_BHFX: torch.Tensor, weight_H11: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent form for one position: its window is every key given (the ring and itself), the state the rest."""
+        scores_BH1S = (q_BH1E.float() @ k_BHSE.float().transpose(-1, -2)) * self.scale
+        keep_B11S = torch.ones_like(scores_BH1S[:1, :1], dtype=torch.bool) if mask_BS is None else (
+            mask_BS[:, None, None, :] > 0)
+        scores_BH1S = scores_BH1S.masked_fill(~keep_B11S, torch.finfo(torch.float32).min)
+        weights_BH1S = torch.exp(scores_BH1S - scores_BH1S.amax(dim=-1, keepdim=True)) * keep_B11S
+        numden_BH1X = weight_H11 * (weights_BH1S @ v1_BHSX) + self.q_features(q_BH1E) @ state_BHFX.float()
+        if k_BHSE.shape[2] == self.window:  # the oldest key leaves the window: into the state
+            phi_k_BH1F = self.k_features(k_BHSE[:, :, :1])
+            if mask_BS is not None:
+                phi_k_BH1F = phi_k_BH1F * mask_BS[:, None, :1, None]
+            state_BHFX = state_BHFX.float() + phi_k_BH1F.transpose(-1, -2) @ v1_BHSX[:, :, :1]
+        return normalise(numden_BH1X), state_BHFX
+
+    def _far_numden(
+        self, phi_q_BHTF: torch.Tensor, k_BHTE: torch.Tensor, v1_BHTX: torch.Tensor, mask_BT: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Bidirectional: linear attention over keys ``window`` or more places before or after each query."""
+        phi_k_BHTF = self.k_features(k_BHTE)
+        if mask_BT is not None:
+            phi_k_BHTF = phi_k_BHTF * mask_BT[:, None, :, None]
+        seq_len = phi_q_BHTF.shape[2]
+        total_BHTX = phi_q_BHTF.new_zeros(*phi_q_BHTF.shape[:-1], v1_BHTX.shape[-1])
+        for flip in (False, True):  # keys before, then keys after (the sequence reversed)
+            q_BHTF, k_BHTF, v_BHTX = (x.flip(2) if flip else x for x in (phi_q_BHTF, phi_k_BHTF, v1_BHTX))
+            far_BHTX, _ = causal_linear_numden(
+                q_BHTF, delayed_keys(k_BHTF, seq_len, 0, self.window), delayed_keys(v_BHTX, seq_len, 0, self.window),
+                self.chunk_size,
+            )
+            total_BHTX = total_BHTX + (far_BHTX.flip(2) if flip else far_BHTX)
+        return total_BHTX
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Feature maps, the linear kernel over the older keys, and the window, per token over all heads.
+
+        Per head: the chunked linear kernel as :class:`LinearAttention`'s (state update and
+        readout ``F (E + 1)`` each, in-chunk ``C (F + E + 1)``; bidirectional runs it both ways),
+        plus the window's scores and weighted values, ``(2E + 1)`` per place: ``window`` places
+        causal, ``2 window - 1`` bidirectional.
+        """
+        features, head_dim = self.q_features.num_features, self.head_dim
+        chunk = min(self.chunk_size, seq_len)
+        passes, places = (1, self.window) if self.causal else (2, 2 * self.window - 1)
+        macs = passes * (2 * features * (head_dim + 1) + chunk * (features + head_dim + 1))
+        macs += places * (2 * head_dim + 1)
+        maps = self.q_features.flops_per_token() + self.k_features.flops_per_token()
+        return maps + 2 * self.num_heads * macs
+
+
+def gate_bias(gate_init: float) -> float:
+    # Copied from modeling_distill_llama.gate_bias
+    """The gate's bias that makes its decay ``gate_init`` while its weight is zero: ``logit(gate_init)``."""
+    return torch.logit(torch.tensor(gate_init, dtype=torch.float64, device="cpu")).item()
+
+
+class GatedLinearAttention(LinearAttention):
+    # Copied from modeling_distill_llama.GatedLinearAttention
+    """Linear attention whose state decays by a per-head gate computed from the layer input.
+
+    ``S_t = g_t S_{t-1} + phi(k_t) [v_t, 1]^T`` and ``out_t = phi(q_t) S_t`` normalised by its
+    last column (which decays with the values), so the output stays a weighted average of
+    values, recent ones weighing more where the gate closes. ``log g_t = logsigmoid(x_t W + b)``
+    per head: ``W`` starts at zero and ``b`` at ``logit(gate_init)``, so a ``gate_init`` near 1
+    starts the layer at (nearly) the ungated linear attention and training makes the decay
+    depend on the input. Bidirectional (encoders): keys on both sides, each decayed by the
+    gates between it and the query.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        feature_map: str,
+        feature_dim: int,
+        causal: bool,
+        chunk_size: int,
+        hidden_size: int,
+        gate_init: float,
+        **factory: Any,
+    ) -> None:
+        super().__init__(num_heads, head_dim, feature_map, feature_dim, causal, chunk_size, **factory)
+        self.gate = nn.Linear(hidden_size, num_heads, **factory)
+        self.gate_init = gate_init
+        self.reset_gate()
+
+    def reset_gate(self) -> None:
+        """The gate's start: the same decay ``gate_init`` everywhere, whatever the input."""
+        with torch.no_grad():
+            self.gate.weight.zero_()
+            self.gate.bias.fill_(gate_bias(self.gate_init))
+
+    def forward(
+        self,
+        q_BHTE: torch.Tensor,
+        k_BHTE: torch.Tensor,
+        v_BHTE: torch.Tensor,
+        x_BTD: torch.Tensor,
+        mask_BT: torch.Tensor | None = None,
+        state_BHFX: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 ``out_BHTE`` and the state after the last position (None when bidirectional).
+
+        ``x_BTD`` is what the gate reads (the layer's normed input); padded positions
+        (``mask_BT`` 0) add nothing to the state and decay nothing.
+        """
+        phi_q_BHTF, phi_k_BHTF = self.q_features(q_BHTE), self.k_features(k_BHTE)
+        log_g_BHT = F.logsigmoid(self.gate(x_BTD).float()).transpose(1, 2)
+        if mask_BT is not None:
+            phi_k_BHTF = phi_k_BHTF * mask_BT[:, None, :, None]
+            log_g_BHT = log_g_BHT * mask_BT[:, None, :]
+        if not self.causal:
+            return normalise(bidirectional_gated_numden(phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), log_g_BHT,
+                                                        self.chunk_size)), None
+        if state_BHFX is not None and q_BHTE.shape[2] == 1:
+            return gated_linear_attention_step(phi_q_BHTF, phi_k_BHTF, v_BHTE, log_g_BHT, state_BHFX)
+        numden_BHTX, state_BHFX = gated_linear_numden(
+            phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), log_g_BHT, self.chunk_size, state_BHFX
+        )
+        return normalise(numden_BHTX), state_BHFX
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """:class:`LinearAttention`'s count plus the decays (the gate's map is an ``nn.Linear``, counted with the block's).
+
+        Per head: one multiply per in-chunk score and ``2F`` to decay queries and keys to the
+        chunk's ends; bidirectional runs the causal kernel twice.
+        """
+        features, head_dim = self.q_features.num_features, self.head_dim
+        chunk = min(self.chunk_size, seq_len)
+        macs = 2 * features * (head_dim + 1) + chunk * (features + head_dim + 2) + 2 * features
+        passes = 1 if self.causal else 2
+        maps = self.q_features.flops_per_token() + self.k_features.flops_per_token()
+        return maps + 2 * self.num_heads * passes * macs
+
+
 def split_heads(x_BTD: torch.Tensor, head_dim: int) -> torch.Tensor:
     # Copied from modeling_distill_llama.split_heads
     """``(B, T, heads * E) -> (B, heads, T, E)``."""
@@ -230,16 +594,15 @@ class LinearAttentionBlock(nn.Module):
         self.output = layer.output
         self.head_dim = self_attn.attention_head_size
         weight = self_attn.query.weight
-        self.attention = LinearAttention(
-            self_attn.num_attention_heads,
-            self.head_dim,
-            feature_map=spec["feature_map"],
-            feature_dim=int(spec["feature_dim"]),
-            causal=bool(getattr(config, "is_decoder", False)),
-            chunk_size=int(spec["chunk_size"]),
-            device=weight.device,
-            dtype=weight.dtype,
-        )
+        shape = {"num_heads": self_attn.num_attention_heads, "head_dim": self.head_dim,
+                 "feature_map": spec["feature_map"], "feature_dim": int(spec["feature_dim"]),
+                 "causal": bool(getattr(config, "is_decoder", False)), "chunk_size": int(spec["chunk_size"]),
+                 "device": weight.device, "dtype": weight.dtype}
+        self.attention = self._make_attention(spec, shape, config, self_attn)
+
+    def _make_attention(self, spec: dict[str, Any], shape: dict[str, Any], config: DistillBertConfig,
+                        self_attn: nn.Module) -> nn.Module:
+        return LinearAttention(**shape)
 
     def forward(
         self,
@@ -253,9 +616,41 @@ class LinearAttentionBlock(nn.Module):
         k_BHTE = split_heads(self.key(hidden_BTD), self.head_dim)
         v_BHTE = split_heads(self.value(hidden_BTD), self.head_dim)
         mask_BT = new_token_mask(attention_mask, hidden_BTD.shape[1])
-        attended_BTD = merge_heads(self.attention(q_BHTE, k_BHTE, v_BHTE, mask_BT), hidden_BTD.dtype)
+        attended_BTD = merge_heads(self._attend(hidden_BTD, q_BHTE, k_BHTE, v_BHTE, mask_BT), hidden_BTD.dtype)
         attn_BTD = self.attention_output(attended_BTD, hidden_BTD)
         return self.output(self.intermediate(attn_BTD), attn_BTD)
+
+    def _attend(self, hidden_BTD: torch.Tensor, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor,
+                mask_BT: torch.Tensor | None) -> torch.Tensor:
+        return self.attention(q_BHTE, k_BHTE, v_BHTE, mask_BT)
+
+
+class SlidingWindowLinearBlock(LinearAttentionBlock):
+    """:class:`LinearAttentionBlock` with :class:`SlidingWindowLinearAttention` (no cache: encoders keep none)."""
+
+    def _make_attention(self, spec: dict[str, Any], shape: dict[str, Any], config: DistillBertConfig,
+                        self_attn: nn.Module) -> nn.Module:
+        return SlidingWindowLinearAttention(
+            **shape, window=int(spec["window"]), scale=float(getattr(self_attn, "scaling", self.head_dim**-0.5)),
+            window_factor_init=float(spec.get("window_factor_init", 0.0)),
+        )
+
+    def _attend(self, hidden_BTD: torch.Tensor, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor,
+                mask_BT: torch.Tensor | None) -> torch.Tensor:
+        return self.attention(q_BHTE, k_BHTE, v_BHTE, mask_BT)[0]
+
+
+class GatedLinearAttentionBlock(LinearAttentionBlock):
+    """:class:`LinearAttentionBlock` with :class:`GatedLinearAttention`, its gate reading the layer input."""
+
+    def _make_attention(self, spec: dict[str, Any], shape: dict[str, Any], config: DistillBertConfig,
+                        self_attn: nn.Module) -> nn.Module:
+        return GatedLinearAttention(**shape, hidden_size=config.hidden_size,
+                                    gate_init=float(spec.get("gate_init", 0.999)))
+
+    def _attend(self, hidden_BTD: torch.Tensor, q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor,
+                mask_BT: torch.Tensor | None) -> torch.Tensor:
+        return self.attention(q_BHTE, k_BHTE, v_BHTE, hidden_BTD, mask_BT)[0]
 
 
 # ---------------------------------------------------------------------- replaced layers
@@ -358,12 +753,20 @@ class DistillBertResidualMLP(nn.Module):
         return hidden_BTD + self.down(self.act(self.up(self.norm(hidden_BTD))))
 
 
+LINEAR_BLOCKS: dict[str, type[LinearAttentionBlock]] = {
+    "linear_attention": LinearAttentionBlock,
+    "sliding_window_linear": SlidingWindowLinearBlock,
+    "gated_linear_attention": GatedLinearAttentionBlock,
+}
+"""Kind -> the block of a :class:`DistillBertLinearAttentionLayer`."""
+
+
 class DistillBertLinearAttentionLayer(nn.Module):
-    """Kind linear_attention: a :class:`LinearAttentionBlock`."""
+    """Kinds linear_attention, sliding_window_linear, gated_linear_attention: the kind's block of ``LINEAR_BLOCKS``."""
 
     def __init__(self, config: DistillBertConfig, layer_idx: int) -> None:
         super().__init__()
-        self.block = LinearAttentionBlock(config, layer_idx)
+        self.block = LINEAR_BLOCKS[config.distill_layers[str(layer_idx)]["kind"]](config, layer_idx)
 
     def forward(
         self,
@@ -381,6 +784,8 @@ REPLACED_LAYERS: dict[str, type[nn.Module]] = {
     "lowrank": DistillBertTeacherLayer,
     "mlp": DistillBertResidualMLP,
     "linear_attention": DistillBertLinearAttentionLayer,
+    "sliding_window_linear": DistillBertLinearAttentionLayer,
+    "gated_linear_attention": DistillBertLinearAttentionLayer,
 }
 """``config.distill_layers[i]["kind"]`` -> the class of layer i."""
 
@@ -410,13 +815,18 @@ class DistillBertPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        """The defaults, plus the feature maps' identity start and BERT's position-id buffers."""
+        """The defaults, our parameters' start (feature maps, window weight, gate) and BERT's position-id buffers."""
         super()._init_weights(module)
         if isinstance(module, FeatureMap):
             num_heads, head_dim, feature_dim = module.weight_HEF.shape
             eye_HEF = torch.eye(head_dim, feature_dim).expand(num_heads, -1, -1)
             init.copy_(module.weight_HEF, eye_HEF.to(module.weight_HEF.dtype))
             init.zeros_(module.bias_HF)
+        elif isinstance(module, SlidingWindowLinearAttention):
+            init.constant_(module.window_factor_H, module.window_factor_init)
+        elif isinstance(module, GatedLinearAttention):
+            init.zeros_(module.gate.weight)
+            init.constant_(module.gate.bias, gate_bias(module.gate_init))
         elif hasattr(module, "position_ids") and hasattr(module, "token_type_ids"):  # the embeddings
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
             init.zeros_(module.token_type_ids)

@@ -9,7 +9,9 @@ messages are read as they come (cheap: a copy) and
 - large ones are *parked* per peer and handled one at a time, round robin over peers,
   with the time they took charged: after a parked message that took ``t``, parked
   messages wait ``t * (1 / PARKED_SHARE - 1)``. All parked work together thus gets at
-  most PARKED_SHARE of the broker's time while small messages keep coming;
+  most PARKED_SHARE of the broker's time while small messages keep coming; once no small
+  message has come for QUIET_S, nobody waits behind the parked ones and they are handled
+  back to back (a burst of large messages is not stretched tenfold on an idle broker);
 - a peer's messages stay in order: once it has one parked, the small ones behind it
   are parked too;
 - a peer with MAX_PARKED_BYTES waiting loses what it sends beyond that (counted in
@@ -39,6 +41,8 @@ PARKED_SHARE = 0.1
 """The most of the broker's time that parked (large) messages get while small ones keep coming."""
 MAX_PARKED_BYTES = 4 * 2**20
 """What one peer may have parked; what it sends beyond that is dropped."""
+QUIET_S = 0.05
+"""With no small message for this long, parked messages no longer wait their turn."""
 DRAIN_BUDGET_S = 0.001
 """Longest one socket is read in one pass of the loop: then the other sockets, the parked
 messages and the dispatcher get their turn (a DONE waits a millisecond, not a flood)."""
@@ -60,6 +64,8 @@ class Ingress:
             OrderedDict()
         self._parked_bytes: dict[tuple[int, bytes], int] = {}
         self._parked_free_at = 0.0
+        self._small_at = 0.0
+        """When a small message was last handled (perf_counter)."""
         self._drops = LogThrottle(log)
 
     def drain(self, sock: zmq.Socket) -> None:
@@ -69,6 +75,7 @@ class Ingress:
             identity, frames, key, size = self._recv(sock)
             peer = (id(sock), identity)
             if size <= BULK_BYTES and peer not in self._parked:
+                self._small_at = time.perf_counter()
                 self._route(sock, identity, frames, key)
             else:
                 self._park(sock, peer, frames, key, size)
@@ -108,12 +115,17 @@ class Ingress:
         """Seconds until a parked message may be handled (None: nothing parked)."""
         if not self._parked:
             return None
-        return max(0.0, self._parked_free_at - time.perf_counter())
+        return max(0.0, self._free_at() - time.perf_counter())
+
+    def _free_at(self) -> float:
+        """When the next parked message may be handled: its turn, or sooner once small
+        messages stopped coming (QUIET_S)."""
+        return min(self._parked_free_at, self._small_at + QUIET_S)
 
     def serve_parked(self) -> None:
         """Handle the next parked message (of the next peer in turn), if its time has come."""
         now = time.perf_counter()
-        if not self._parked or now < self._parked_free_at:
+        if not self._parked or now < self._free_at():
             return
         peer, queue = next(iter(self._parked.items()))
         sock, frames, key = queue.popleft()

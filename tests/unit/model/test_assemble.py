@@ -32,8 +32,9 @@ from tests.tiny_teachers import tiny_bert, tiny_llama
 
 B, T, VOCAB = 2, 10, 64
 CONF_DIR = Path(distill.__file__).parent / "conf" / "replacement"
-SMALL_OPTIONS = {"linear_attention": {"chunk_size": 4}}
-"""Overrides so every option file builds on the tiny teachers (chunks shorter than T)."""
+SMALL_OPTIONS = {"linear_attention": {"chunk_size": 4}, "sliding_window_linear": {"chunk_size": 4, "window": 3},
+                 "gated_linear_attention": {"chunk_size": 4, "gate_init": 0.9}}
+"""Overrides so every option file builds on the tiny teachers (chunks and windows shorter than T)."""
 COPY_CFG = {"_target_": "distill.replacements.teacher_copy.TeacherCopy", "_partial_": True}
 MLP_CFG = {
     "_target_": "distill.replacements.mlp.ResidualMLP",

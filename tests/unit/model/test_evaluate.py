@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distill.model.evaluate import EvalResult, evaluate, perplexity
+from distill.model.assemble import splice
+from distill.model.evaluate import EvalResult, evaluate, perplexity, spliced_alone_kl
 from distill.model.teacher import Teacher
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.teacher_copy import TeacherCopy
@@ -134,6 +135,18 @@ def test_empty_heldout_is_a_clear_error(llama: Teacher) -> None:
         evaluate(llama, {}, torch.empty(0, T, dtype=torch.int64))
 
 
+def test_spliced_alone_kl_is_the_kl_of_the_spliced_models_output(llama: Teacher, sampled_NT: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    replacements = {idx: ResidualMLP(llama, idx, output_init_std=0.05).float() for idx in (0, 2)}
+    got = spliced_alone_kl(llama, {**replacements, 1: TeacherCopy(llama, 1)}, sampled_NT, batch_size=4)
+    with torch.no_grad():
+        logp_NTV = llama.model(sampled_NT).logits.log_softmax(-1)
+        for idx, replacement in replacements.items():
+            model = splice(llama, {idx: replacement})
+            logq_NTV = model(sampled_NT, use_cache=False).logits.log_softmax(-1)
+            want = float((logp_NTV.exp() * (logp_NTV - logq_NTV)).sum(-1).mean())
+            assert got[idx] == pytest.approx(want, rel=1e-4)
+    assert got[0] > 1e-4 and abs(got[1]) < 1e-6  # a copy of the layer moves nothing
 @pytest.mark.parametrize("kind", ["copy", "linear_attention"])
 def test_bf16_teacher_scores_float32_replacements(kind: str, sampled_NT: torch.Tensor) -> None:
     """A bfloat16 teacher with float32 replacements (how every real run trains): the stream

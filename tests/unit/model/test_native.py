@@ -40,10 +40,12 @@ from distill.model.assemble import export_student, load_student, splice
 from distill.model.modeling import modeling_distill_bert, modeling_distill_llama
 from distill.model.native import MODELING_DIR
 from distill.model.teacher import Teacher
+from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.lowrank import LowRankLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
+from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
 from distill.replacements.teacher_copy import TeacherCopy
 
 VOCAB, T, NEW = 64, 10, 8
@@ -53,6 +55,8 @@ KINDS = {
     "copy": (TeacherCopy, {}),
     "mlp": (ResidualMLP, {"hidden_mult": 1.0}),
     "linear_attention": (LinearAttentionLayer, {"chunk_size": 4}),
+    "sliding_window_linear": (SlidingWindowLinearLayer, {"chunk_size": 4, "window": 3}),
+    "gated_linear_attention": (GatedLinearAttentionLayer, {"chunk_size": 4, "gate_init": 0.9}),
     "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
     "lowrank": (LowRankLayer, {"rank_fraction": 0.5}),
 }
@@ -170,6 +174,41 @@ def test_cache_layers_follow_the_replacement_kinds(tmp_path: Path) -> None:
     assert sizes[24][1] <= 4  # the window, not the context
     assert sizes[6][2] is None and sizes[24][2] is None  # token-wise: positions counted, nothing kept
     assert (sizes[6][3], sizes[24][3]) == (6, 24)
+
+
+def test_window_and_gated_kinds_decode_from_a_ring_and_fixed_states(tmp_path: Path) -> None:
+    """Mistral (window 4) keeps layer 0: the window kind's ring is the teacher's (3 positions) and
+    it reads only its own window (2 past positions) of it; the gated kind keeps a fixed state.
+    Decoding position by position gives the full forward's logits to 1e-5."""
+    teacher = _decoder("mistral")
+    replacements = {1: SlidingWindowLinearLayer(teacher, 1, window=3, chunk_size=4),
+                    2: GatedLinearAttentionLayer(teacher, 2, gate_init=0.9, chunk_size=4)}
+    with torch.no_grad():
+        for module in replacements.values():
+            for param in module.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+    out = tmp_path / "student"
+    export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(out))
+    student = load_student(str(out))
+    assert student.config.layer_types == ["sliding_attention", "hybrid_sliding", "linear_attention"]
+    ids_BT = _ids(seed=3).repeat(1, 2)
+    cache = DynamicCache(config=student.config)
+    with torch.no_grad():
+        full_BTV = student(ids_BT).logits
+        steps = [student(ids_BT[:, :5], cache=cache, use_cache=True).logits]
+        steps += [student(ids_BT[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(5, 2 * T)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full_BTV, atol=1e-5, rtol=1e-5)
+    ring, gated = cache.layers[1], cache.layers[2]
+    assert type(ring).__name__ == "LinearAttentionAndSlidingWindowAttentionLayer"
+    assert ring.keys.shape[-2] == 3 and ring.get_seq_length() == 2 * T
+    head_dim = SIZES["hidden_size"] // SIZES["num_attention_heads"]
+    assert ring.recurrent_states[0].shape == gated.recurrent_states[0].shape == (2, 4, 2 * head_dim, head_dim + 1)
+
+
+def test_a_window_wider_than_the_teachers_ring_is_refused(tmp_path: Path) -> None:
+    teacher = _decoder("mistral")
+    with pytest.raises(ValueError, match=r"replacement\.window <= 4"):
+        SlidingWindowLinearLayer(teacher, 1, window=8)
 
 
 def test_a_cache_of_another_shape_is_refused(tmp_path: Path) -> None:

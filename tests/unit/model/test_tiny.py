@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, BertModel, LlamaForCausalLM
 
 from distill.model import tiny
 from distill.model.data import (
@@ -144,3 +144,44 @@ def test_concurrent_first_calls_build_once(tmp_path: Path, procs) -> None:
     assert outcomes[0]["path"] == outcomes[1]["path"]
     assert sum(o["built"] for o in outcomes) == 1
     assert (Path(outcomes[0]["path"]) / "model.safetensors").exists()
+
+
+BERT_SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 32, "vocab_size": 300,
+              "train_steps": 40, "batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def bert_dir(cache_root: Path) -> str:
+    return tiny.tiny_bert_dir(str(cache_root), **BERT_SMALL)
+
+
+def test_tiny_bert_is_pre_trained_and_its_layers_do_work(bert_dir: str, cache_root: Path, offline: None) -> None:
+    """Masked-LM pre-training lowers the held-out loss; the saved encoder loads as a BertModel
+    teacher, and skipping its layers changes its output (a random BERT's barely do)."""
+    assert Path(bert_dir).parent == cache_root and Path(bert_dir).name.startswith("tiny-bert-")
+    metrics = json.loads((Path(bert_dir) / tiny.METRICS_FILE).read_text())
+    assert metrics["heldout_mlm_loss_after"] < metrics["heldout_mlm_loss_before"] - 0.5
+    teacher = Teacher.from_pretrained(bert_dir)
+    assert (teacher.family, teacher.num_layers, type(teacher.model).__name__) == ("bert", 2, "BertModel")
+    tokenizer = AutoTokenizer.from_pretrained(bert_dir)
+    assert tokenizer.mask_token == tiny.MASK_TOKEN and len(tokenizer) == teacher.model.config.vocab_size
+    chunks = build_chunks(tokenizer, load_documents("pydoc"), BERT_SMALL["seq_len"], DEFAULT_HELDOUT_FRACTION,
+                          DEFAULT_SPLIT_SEED, max_heldout_chunks=16)
+    torch.manual_seed(0)
+    untrained = BertModel(teacher.model.config).eval()
+    trained = tiny.identity_cosine(teacher.model, chunks.heldout_NT)
+    assert trained == pytest.approx(metrics["identity_cosine"], abs=0.05)
+    assert trained < tiny.identity_cosine(untrained, chunks.heldout_NT) - 0.05
+    assert tiny.tiny_bert_dir(str(cache_root), **BERT_SMALL) == bert_dir  # cached
+    assert tiny.TinyBertRecipe(**BERT_SMALL, lr=1e-3, seed=0).digest() != \
+        tiny.TinyBertRecipe(**{**BERT_SMALL, "train_steps": 41}, lr=1e-3, seed=0).digest()
+
+
+def test_masking_picks_about_the_share_asked_and_labels_only_those() -> None:
+    batch_BT = torch.randint(3, 300, (64, 32))
+    inputs_BT, labels_BT = tiny.mask_tokens(batch_BT, 2, 300, 0.15, torch.Generator().manual_seed(0))
+    picked_BT = labels_BT != -100
+    assert 0.12 < picked_BT.float().mean() < 0.18
+    assert torch.equal(labels_BT[picked_BT], batch_BT[picked_BT])
+    assert torch.equal(inputs_BT[~picked_BT], batch_BT[~picked_BT])
+    assert 0.7 < (inputs_BT[picked_BT] == 2).float().mean() < 0.9  # most picked tokens are masked

@@ -30,10 +30,9 @@ def test_default_config_passes_the_checks() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["student.patience=2"], "student.val_every_steps"),
+    (["student.patience=2", "student.val_every_steps=0"], "student.val_every_steps"),
     (["student.max_tokens_per_stage=0"], "student.max_tokens_per_stage"),
     (["student.e2e.steps=5", "student.e2e.temperature=0"], "student.e2e.temperature"),
-    (["student.e2e.steps=5", "teacher=tiny_bert"], "student.e2e.steps"),
     (["student.e2e.steps=5", "student.e2e.parallel=fsdp", "student.e2e.trainable=lora"], "student.e2e.parallel"),
     (["student.e2e.steps=5", "student.e2e.loss_chunk_tokens=0"], "student.e2e.loss_chunk_tokens"),
 ])
@@ -45,6 +44,19 @@ def test_bad_quality_settings_name_the_key(overrides: list[str], message: str) -
 def test_quality_settings_pass_the_checks() -> None:
     check_config(_compose(["student=e2e", "student.inputs=mix", "student.patience=2", "student.val_every_steps=10",
                            "student.max_tokens_per_stage=100000"]))
+    check_config(_compose(["student=e2e", "teacher=tiny_bert"]))  # an encoder's end-to-end stage
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["student.hybrid.keep_softmax=1", "student.hybrid.max_gap=0.02"], "student.hybrid.keep_softmax"),
+    (["student.hybrid.keep_softmax=4"], "student.hybrid.keep_softmax"),
+    (["student.hybrid.keep_softmax=2", "student.layers=[0,1]"], "student.hybrid.keep_softmax"),
+    (["student.hybrid.max_gap=0"], "student.hybrid.max_gap"),
+    (["student.hybrid.keep_softmax=1", "student.hybrid.steps=0"], "student.hybrid.steps"),
+])
+def test_bad_hybrid_settings_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        check_config(_compose(overrides))
 
 
 def test_auth_settings_are_checked_per_mode(tmp_path: Path) -> None:

@@ -2,26 +2,36 @@
 
 The chunked causal kernel and the bidirectional kernel are checked against the naive
 O(T^2) masked form (values and gradients), the chunked form against the recurrent (decoding)
-form, and the SVD factorisation against Eckart-Young. The kernels are the exported
+form, and the SVD factorisation against Eckart-Young. Sliding-window + linear attention is
+checked against a naive masked form of its formula (and, with a window covering the sequence,
+against softmax attention), decoding through a KV ring against the chunked form; gated linear
+attention's decay against a case worked by hand, its chunked form against the recurrent one. The kernels are the exported
 student's (distill.model.modeling), which the replacements train with.
 
 Shape legend: B batch, H heads, T sequence length, F features, E head size,
-I input features, O output features.
+I input features, O output features, X = E + 1.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from distill.model.modeling import modeling_distill_bert
 from distill.model.modeling.modeling_distill_llama import (
     DENOMINATOR_EPS,
     FeatureMap,
+    SlidingWindowLinearAttention,
+    bidirectional_gated_numden,
     bidirectional_linear_attention,
     causal_linear_attention,
+    gated_linear_numden,
+    normalise,
+    recurrent_gated_linear_attention,
     recurrent_linear_attention,
+    with_ones,
 )
 from distill.replacements.lowrank import LowRankLinear
 
@@ -132,3 +142,139 @@ def test_lowrank_linear_at_full_rank_reproduces_the_dense_map() -> None:
     lowrank = LowRankLinear.from_linear(dense, rank=9)
     x_BTI = torch.randn(2, 4, 9)
     torch.testing.assert_close(lowrank(x_BTI), dense(x_BTI), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- sliding window + linear attention
+
+
+def _window_attention(window: int, causal: bool, seed: int = 0) -> SlidingWindowLinearAttention:
+    """Random (not identity) feature maps and window weights, so both parts matter."""
+    torch.manual_seed(seed)
+    attention = SlidingWindowLinearAttention(3, 5, "hedgehog", 4, causal, chunk_size=4, window=window, scale=5**-0.5)
+    with torch.no_grad():
+        for param in attention.parameters():
+            param.add_(0.5 * torch.randn_like(param))
+    return attention
+
+
+def _qkv(seq_len: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(2 * torch.randn(2, 3, seq_len, 5, generator=gen) for _ in range(3))
+
+
+def _naive_window_linear(attention: SlidingWindowLinearAttention, q_BHTE, k_BHTE, v_BHTE) -> torch.Tensor:
+    """Reference: the formula on the full T x T matrices, the window and the rest as masks."""
+    seq_len = q_BHTE.shape[2]
+    dist_TT = torch.arange(seq_len)[:, None] - torch.arange(seq_len)[None, :]
+    if attention.causal:
+        window_TT, older_TT = (dist_TT >= 0) & (dist_TT < attention.window), dist_TT >= attention.window
+    else:
+        window_TT, older_TT = dist_TT.abs() < attention.window, dist_TT.abs() >= attention.window
+    scores_BHTT = (q_BHTE @ k_BHTE.transpose(-1, -2) * attention.scale).masked_fill(~window_TT, -torch.inf)
+    weight_H11 = torch.sigmoid(attention.window_factor_H)[:, None, None]
+    exact_BHTT = weight_H11 * (scores_BHTT - scores_BHTT.amax(-1, keepdim=True)).exp()
+    linear_BHTT = (attention.q_features(q_BHTE) @ attention.k_features(k_BHTE).transpose(-1, -2)) * older_TT
+    weights_BHTT = exact_BHTT + linear_BHTT
+    return (weights_BHTT @ v_BHTE) / (weights_BHTT.sum(-1, keepdim=True) + DENOMINATOR_EPS)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize(("seq_len", "window"), [(1, 3), (11, 1), (11, 3), (13, 5)])
+def test_sliding_window_kernel_matches_naive_formula(seq_len: int, window: int, causal: bool) -> None:
+    attention = _window_attention(window, causal)
+    inputs = [x.requires_grad_(True) for x in _qkv(seq_len)]
+    out_BHTE, _ = attention(*inputs)
+    ref_BHTE = _naive_window_linear(attention, *inputs)
+    torch.testing.assert_close(out_BHTE, ref_BHTE, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out_BHTE.square().sum(), [*inputs, attention.window_factor_H])
+    ref_grads = torch.autograd.grad(ref_BHTE.square().sum(), [*inputs, attention.window_factor_H])
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_a_window_covering_the_sequence_is_softmax_attention(causal: bool) -> None:
+    """No position is older than the window: the layer is the teacher's softmax attention of the
+    same q/k/v, whatever its feature maps and window weight (padding keys left out alike)."""
+    attention = _window_attention(window=9, causal=causal)
+    q_BHTE, k_BHTE, v_BHTE = _qkv(9)
+    mask_BT = torch.ones(2, 9)
+    mask_BT[1, 6:] = 0
+    out_BHTE, _ = attention(q_BHTE, k_BHTE, v_BHTE, mask_BT)
+    allowed_BHTT = mask_BT.bool()[:, None, None, :] & (torch.ones(9, 9).tril().bool() if causal else True)
+    expected_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, attn_mask=allowed_BHTT, scale=5**-0.5)
+    torch.testing.assert_close(out_BHTE, expected_BHTE, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "split"), [(3, 0), (3, 2), (4, 7), (1, 5)])
+def test_sliding_window_decoding_through_a_ring_equals_the_chunked_form(window: int, split: int) -> None:
+    """Decoding keeps the last window - 1 keys and values and folds the one leaving into the
+    linear state: a prefill of ``split`` positions, then one position per call, gives the
+    chunked form's outputs to 1e-5."""
+    attention = _window_attention(window, causal=True)
+    q_BHTE, k_BHTE, v_BHTE = _qkv(12, seed=4)
+    chunked_BHTE, _ = attention(q_BHTE, k_BHTE, v_BHTE)
+    ring = window - 1
+    outs, state_BHFX, start = [], None, 0
+    for end in ([split] if split else []) + list(range(split + 1, 13)):
+        past = min(start, ring)
+        keys = slice(start - past, end)
+        out_BHTE, state_BHFX = attention(q_BHTE[:, :, start:end], k_BHTE[:, :, keys], v_BHTE[:, :, keys], None,
+                                         state_BHFX)
+        outs.append(out_BHTE)
+        start = end
+    torch.testing.assert_close(torch.cat(outs, dim=2), chunked_BHTE, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- gated linear attention
+
+
+def _gated_inputs(seq_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    phi_q_BHTF, phi_k_BHTF, v_BHTE = _random_inputs(seq_len, seed)
+    log_g_BHT = torch.nn.functional.logsigmoid(torch.randn(2, 3, seq_len, generator=gen) + 1.0)
+    return phi_q_BHTF, phi_k_BHTF, v_BHTE, log_g_BHT
+
+
+def test_gated_decay_matches_a_case_worked_by_hand() -> None:
+    """One head, one feature, phi(q) = 1, phi(k) = (1, 2, 3), v = (1, 2, 4), g = (0.5, 0.5, 0.25):
+    S_2 = 0.5 [1, 1] + 2 [2, 1] = [4.5, 2.5]; S_3 = 0.25 S_2 + 3 [4, 1] = [13.125, 3.625].
+    Bidirectional, position 1 also sees keys 2 and 3 decayed by g_1 and g_1 g_2: (1 + 2 + 3) / 2.75."""
+    phi_q, phi_k = torch.ones(1, 1, 3, 1), torch.tensor([1.0, 2.0, 3.0]).view(1, 1, 3, 1)
+    v, log_g = torch.tensor([1.0, 2.0, 4.0]).view(1, 1, 3, 1), torch.tensor([0.5, 0.5, 0.25]).log().view(1, 1, 3)
+    expected = torch.tensor([1.0, 4.5 / 2.5, 13.125 / 3.625]).view(1, 1, 3, 1)
+    for chunk_size in (1, 2, 3):
+        numden, state = gated_linear_numden(phi_q, phi_k, with_ones(v), log_g, chunk_size)
+        torch.testing.assert_close(normalise(numden), expected)
+        torch.testing.assert_close(state, torch.tensor([[[[13.125, 3.625]]]]))
+    torch.testing.assert_close(recurrent_gated_linear_attention(phi_q, phi_k, v, log_g)[0], expected)
+    both = normalise(bidirectional_gated_numden(phi_q, phi_k, with_ones(v), log_g, chunk_size=2))
+    torch.testing.assert_close(both[0, 0, 0, 0], torch.tensor(6 / 2.75))
+
+
+@pytest.mark.parametrize(("seq_len", "chunk_size", "split"), [(1, 4, 0), (9, 4, 0), (13, 4, 6), (20, 64, 11)])
+def test_gated_chunked_form_equals_recurrent_form(seq_len: int, chunk_size: int, split: int) -> None:
+    """As for linear attention: training's chunked kernel, decoding's recurrence and a prefill
+    continued token by token agree to 1e-5."""
+    phi_q_BHTF, phi_k_BHTF, v_BHTE, log_g_BHT = _gated_inputs(seq_len, seed=3)
+    numden_BHTX, chunked_state_BHFX = gated_linear_numden(phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), log_g_BHT,
+                                                          chunk_size)
+    recurrent_BHTE, recurrent_state_BHFX = recurrent_gated_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, log_g_BHT)
+    torch.testing.assert_close(normalise(numden_BHTX), recurrent_BHTE, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_state_BHFX, recurrent_state_BHFX, atol=1e-5, rtol=1e-5)
+    if split:
+        head = [x[:, :, :split] for x in (phi_q_BHTF, phi_k_BHTF, v_BHTE, log_g_BHT)]
+        tail = [x[:, :, split:] for x in (phi_q_BHTF, phi_k_BHTF, v_BHTE, log_g_BHT)]
+        _, state_BHFX = gated_linear_numden(*head[:2], with_ones(head[2]), head[3], chunk_size)
+        tail_BHTE, _ = recurrent_gated_linear_attention(*tail, state_BHFX)
+        torch.testing.assert_close(tail_BHTE, recurrent_BHTE[:, :, split:], atol=1e-5, rtol=1e-5)
+
+
+def test_gated_kernels_reduce_to_linear_attention_without_decay() -> None:
+    """g = 1 everywhere: the causal and the bidirectional gated kernels are the ungated ones."""
+    phi_q_BHTF, phi_k_BHTF, v_BHTE = _random_inputs(11)
+    no_decay_BHT = torch.zeros(2, 3, 11)
+    gated_BHTX, _ = gated_linear_numden(phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), no_decay_BHT, 4)
+    torch.testing.assert_close(normalise(gated_BHTX), causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, 4)[0])
+    both_BHTX = bidirectional_gated_numden(phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), no_decay_BHT, 4)
+    torch.testing.assert_close(normalise(both_BHTX), bidirectional_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE))

@@ -35,10 +35,12 @@ import distill
 from distill.model.native import student_config
 from distill.model.teacher import Teacher
 from distill.replacements import Replacement, count_params, describe
+from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.lowrank import LowRankLayer, LowRankLinear
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
+from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
 from distill.replacements.teacher_copy import TeacherCopy
 
 FAMILIES = ("llama", "qwen2", "bert")
@@ -47,11 +49,14 @@ LAYER_IDX = 1
 CONF_DIR = Path(distill.__file__).parent / "conf" / "replacement"
 
 
-# Small settings: chunk_size < SEQ_LEN so the causal kernel carries state across chunks.
+# Small settings: chunk_size < SEQ_LEN so the causal kernel carries state across chunks, a
+# window shorter than the sequence, a gate that decays noticeably.
 REPLACEMENTS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
     "copy": (TeacherCopy, {}),
     "mlp": (ResidualMLP, {"hidden_mult": 1.0}),
     "linear_attention": (LinearAttentionLayer, {"chunk_size": 4}),
+    "sliding_window_linear": (SlidingWindowLinearLayer, {"chunk_size": 4, "window": 3}),
+    "gated_linear_attention": (GatedLinearAttentionLayer, {"chunk_size": 4, "gate_init": 0.9}),
     "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
     "lowrank": (LowRankLayer, {"rank_fraction": 0.25}),
 }
@@ -206,8 +211,9 @@ def test_small_settings_are_smaller_and_cheaper(name: str, llama_teacher: Teache
     assert report["flops_ratio"] < 1
 
 
-def test_linear_attention_is_cheaper_at_long_context(llama_teacher: Teacher) -> None:
-    replacement = _build("linear_attention", llama_teacher)
+@pytest.mark.parametrize("name", ["linear_attention", "sliding_window_linear", "gated_linear_attention"])
+def test_linear_attention_kinds_are_cheaper_at_long_context(name: str, llama_teacher: Teacher) -> None:
+    replacement = _build(name, llama_teacher)
     assert describe(replacement, llama_teacher, seq_len=4096)["flops_ratio"] < 0.5
     assert replacement.flops_per_token(4096) == replacement.flops_per_token(8192)
 
@@ -462,6 +468,46 @@ def test_linear_attention_rejects_bad_options(
 ) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _build("linear_attention", llama_teacher, **options)
+
+
+# ---------------------------------------------------------------- SlidingWindowLinearLayer, GatedLinearAttentionLayer
+
+
+def test_a_window_covering_the_sequence_is_the_teacher_layer(teacher: Teacher) -> None:
+    """Nothing is older than the window: exact softmax attention, so the teacher layer itself (to
+    float32 rounding through the tiny teacher's large weights; the kernel is held to 1e-5 in
+    test_replacement_parts)."""
+    replacement = _build("sliding_window_linear", teacher, window=SEQ_LEN)
+    hidden_BTD = _hidden(teacher)
+    torch.testing.assert_close(replacement(hidden_BTD), _teacher_output(teacher, hidden_BTD), atol=1e-4, rtol=1e-4)
+
+
+def test_the_gate_starts_at_ungated_linear_attention(teacher: Teacher) -> None:
+    """A gate opened (nearly) fully is linear attention with the same weights; the default start
+    is much closer to it than linear attention is to the teacher."""
+    hidden_BTD = _hidden(teacher)
+    linear_BTD = _build("linear_attention", teacher)(hidden_BTD)
+    open_BTD = _build("gated_linear_attention", teacher, gate_init=1 - 1e-7)(hidden_BTD)
+    torch.testing.assert_close(open_BTD, linear_BTD, atol=1e-4, rtol=1e-4)
+    default_BTD = _build("gated_linear_attention", teacher, gate_init=0.999)(hidden_BTD)
+    teacher_gap = (linear_BTD - _teacher_output(teacher, hidden_BTD)).norm()
+    assert (default_BTD - linear_BTD).norm() < 0.05 * teacher_gap
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "key"),
+    [
+        ("sliding_window_linear", {"window": 0}, "replacement.window"),
+        ("sliding_window_linear", {"window": 2.5}, "replacement.window"),
+        ("sliding_window_linear", {"feature_map": "relu"}, "replacement.feature_map"),
+        ("gated_linear_attention", {"gate_init": 1.0}, "replacement.gate_init"),
+        ("gated_linear_attention", {"gate_init": 0.0}, "replacement.gate_init"),
+        ("gated_linear_attention", {"chunk_size": 0}, "replacement.chunk_size"),
+    ],
+)
+def test_window_and_gated_kinds_reject_bad_options(name: str, options: dict, key: str, llama_teacher: Teacher) -> None:
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        _build(name, llama_teacher, **options)
 
 
 # ---------------------------------------------------------------- padding, positions, cache

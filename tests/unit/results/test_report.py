@@ -36,7 +36,9 @@ def _synthetic_metrics() -> list[dict]:
             )
             if step % 20 == 0:
                 val = {k: 1.1 * v for k, v in losses.items()}
-                metrics.append({"event": "val", "stage": stage, "step": step, "layer_losses": val})
+                own = {k: 2 * v for k, v in val.items()}
+                metrics.append({"event": "val", "stage": stage, "step": step, "layer_losses": val,
+                                "student_losses": own})
         metrics.append(
             {
                 "event": "stage_end",
@@ -105,9 +107,11 @@ def test_write_report(tmp_path: Path) -> None:
     assert "![training and validation losses](losses.png)" in text
     assert "`teacher.name_or_path` | tiny" in text
     assert "+25.00%" in text  # relative gap 25 / 20 - 1
-    # layer 1: ratio 0.25, last val loss 1.1 / (40 * 2), alone ppl 22.5, tokens of stage 0
-    assert "| 1 | 0.25 | 0.25 | 0.01375 | 22.5 | 25,600 |" in text
-    assert "| **all** | 0.3333 | 0.3333 | – | – | 51,200 |" in text
+    # layer 1: ratio 0.25, last val loss 1.1 / (40 * 2) (twice that on student inputs), alone ppl
+    # 22.5, tokens of stage 0
+    assert "| 1 | 0.25 | 0.25 | 0.01375 | 0.0275 | 22.5 | 25,600 |" in text
+    assert "| **all** | 0.3333 | 0.3333 | – | – | – | 51,200 |" in text
+    assert "after the layer stages" not in text and "identity baseline" not in text
     assert "| train | 60.0 | 60.0% |" in text
 
 
@@ -125,8 +129,23 @@ def test_write_report_without_eval(tmp_path: Path) -> None:
     ]
     text = Path(write_report(str(tmp_path), metrics, {}, {}, {}, {"train_s": 2.0})).read_text()
     assert "Not evaluated" in text
-    assert "| 3 | – | – | 0.5 | – | 640 |" in text
+    assert "| 3 | – | – | 0.5 | – | – | 640 |" in text
     assert "| train | 2.0 | 100.0% |" in text
+
+
+def test_write_report_after_an_e2e_stage_shows_both_per_layer_scores(tmp_path: Path) -> None:
+    result = EvalResult(kind="encoder", teacher=1.0, student=0.97, per_layer={0: 0.99, 1: 0.98},
+                        num_tokens=64, identity=0.4, per_layer_layer_stages={0: 0.95, 1: 0.9})
+    metrics = [{"event": "stage_end", "stage": 0, "layers": [0, 1], "steps": 5, "tokens": 640,
+                "val": {"0": 0.1, "1": 0.2}, "val_student": {"0": 0.1, "1": 0.3}},
+               {"event": "e2e_val", "stage": 1, "step": 10, "cosine": 0.97},
+               {"event": "stage_end", "stage": 1, "layers": [], "steps": 10, "tokens": 640, "best_step": 10}]
+    text = Path(write_report(str(tmp_path), metrics, result.to_dict(), {}, {})).read_text()
+    assert TABLE_HEADER + " spliced-alone, after the layer stages |" in text
+    assert "| 1 | – | – | 0.2 | 0.3 | 0.98 | 640 | 0.9 |" in text
+    assert "| replaced layers skipped (identity baseline) | 0.4 |" in text
+    assert "| end-to-end step | held-out cosine similarity of final hidden states |" in text
+    assert "| 10 | 0.97 |" in text and "kept the weights of step 10" in text
 
 
 def test_write_report_encoder_without_timings(tmp_path: Path) -> None:
@@ -136,7 +155,7 @@ def test_write_report_encoder_without_timings(tmp_path: Path) -> None:
     text = Path(write_report(str(tmp_path), [], result, {}, {"replacement": "copy"})).read_text()
     assert "cosine similarity" in text and "-10.00%" in text
     assert "## Time" not in text
-    assert "| 0 | – | – | – | 0.95 | – |" in text
+    assert "| 0 | – | – | – | – | 0.95 | – |" in text
 
 
 def test_report_names_early_stops_and_the_e2e_stage(tmp_path: Path) -> None:
@@ -151,10 +170,22 @@ def test_report_names_early_stops_and_the_e2e_stage(tmp_path: Path) -> None:
     assert "stage 0 (patience after 4 steps, 1,024 tokens)" in text and "stage 1 (" not in text
     assert "Student after the layer stages: 33" in text
     assert "| 10 | 31.5 |" in text
-    assert "| 0 | – | – | – | 30.5 | 1,024 |" in text  # the e2e stage names no layer: no layer budget
+    assert "| 0 | – | – | – | – | 30.5 | 1,024 |" in text  # the e2e stage names no layer: no layer budget
 
 
 def test_no_section_for_a_plain_run(tmp_path: Path) -> None:
     metrics = [{"event": "stage_end", "stage": 0, "layers": [0], "steps": 8, "tokens": 2048}]
     text = Path(write_report(str(tmp_path), metrics, None, {}, {})).read_text()
     assert "end-to-end" not in text
+
+
+def test_report_shows_the_hybrid_choice_and_its_curve(tmp_path: Path) -> None:
+    hybrid = {"kind": "lm", "score": "kl", "teacher": 30.0, "steps": 50, "keep_softmax": 1, "max_gap": None,
+              "kl": {"0": 0.2, "1": 0.01, "2": 0.05}, "spliced_alone": {"0": 33.0, "1": 30.2, "2": 31.0},
+              "order": [1, 2, 0], "curve": [30.0, 30.2, 31.1, 34.5], "converted": [1, 2], "kept": [0]}
+    result = EvalResult(kind="lm", teacher=30.0, student=30.6, per_layer={1: 30.1, 2: 30.5}, num_tokens=100)
+    text = Path(write_report(str(tmp_path), [], result, {}, {}, hybrid=hybrid)).read_text()
+    assert "`student.hybrid.keep_softmax=1`" in text and "converted layers [1, 2], kept layers [0]" in text
+    assert "| 1 | 0.01 | 30.2 | converted |" in text and "| 0 | 0.2 | 33 | **kept (teacher)** |" in text
+    assert "| 2 | 1, 2 | 31.1 |" in text and "trained student, 2 layers converted: 30.6" in text
+    assert (tmp_path / "hybrid.png").read_bytes()[:4] == b"\x89PNG"

@@ -14,7 +14,7 @@ from distill.replacements.mlp import ResidualMLP
 from distill.train.e2e import E2EStudent, chunked_topk_kl, topk_kl
 from distill.train.stages import sample_batch_config
 from distill.train.targets import write_e2e_targets
-from tests.tiny_teachers import tiny_llama
+from tests.tiny_teachers import tiny_bert, tiny_llama
 
 
 def _reference_kl(student_NV: torch.Tensor, teacher_logits_NV: torch.Tensor, k: int, tau: float,
@@ -116,6 +116,21 @@ def test_trainable_modes_train_what_they_say_and_leave_the_teacher_alone(trainab
         assert torch.equal(value, before[key]), f"teacher weight {key} changed"
     with pytest.raises(ValueError, match="student.e2e.trainable"):
         E2EStudent(teacher, replacements, "everything")
+
+
+def test_an_encoder_student_is_trained_on_its_final_hidden_state() -> None:
+    """No LM head: the worker sends the final hidden state only, the student gives no logits."""
+    teacher = tiny_bert(vocab_size=50, num_layers=2)
+    config = sample_batch_config(1, 8, 32, "float32")  # what stage_layout gives an encoder: no top-k
+    view = memoryview(bytearray(config.nbytes()))
+    ids_BT = torch.randint(0, 50, (1, 8))
+    write_e2e_targets(teacher, ids_BT, [SlotTarget(0, 1, view, config.decode(view))])
+    with torch.no_grad():
+        want_BTD = teacher.model(ids_BT).last_hidden_state
+    torch.testing.assert_close(config.decode(view)["hidden"][0], want_BTD[0])
+    student = E2EStudent(teacher, {1: ResidualMLP(teacher, 1).float()}, "replacements")
+    logits, final_BTD = student(ids_BT)
+    assert logits is None and final_BTD.shape == want_BTD.shape
 
 
 class _RecordingHead(torch.nn.Module):

@@ -52,6 +52,20 @@ def test_batch_fn_writes_boundary_states_into_slots(device: str, layers: tuple[i
             torch.testing.assert_close(sample["hidden"][y_idx], captured[layer][1][i].cpu())
 
 
+def test_the_student_seed_changes_the_sample_order_and_seed_0_keeps_the_data_seeds() -> None:
+    from omegaconf import OmegaConf
+
+    from distill.model.data import sample_indices
+    from distill.train.targets import sample_seed
+
+    def order(data_seed: int, student_seed: int) -> list[int]:
+        cfg = OmegaConf.create({"data": {"seed": data_seed}, "student": {"seed": student_seed}})
+        return sample_indices(1000, list(range(20)), sample_seed(cfg))
+
+    assert order(3, 0) == sample_indices(1000, list(range(20)), 3)
+    assert order(0, 1) != order(0, 0) != order(0, 2) and order(0, 1) != order(0, 2)
+
+
 def _spread(num_gpus: int) -> tuple[list, dict | None]:
     """Devices (and budgets) that split the tiny teacher: 2 GPUs, or 1 GPU and the CPU."""
     if num_gpus >= 2:

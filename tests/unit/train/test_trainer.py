@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from distill.pipeline import Broker, Worker
+from distill.replacements.teacher_copy import TeacherCopy
 from distill.train import checkpoint as ckpt
 from distill.train.context import METRICS_FILE, StudentContext
+from distill.train.modules import StageModule
 from distill.train.stages import stage_layout
 from distill.train.targets import TeacherTargets
 from distill.train.trainer import StageTrainer, cosine_lr, layer_loss, train_stage
@@ -28,14 +30,15 @@ SEQ_LEN = 16
 VOCAB = 96
 
 
-def _cfg(tmp_path: Path, *overrides: str) -> DictConfig:
+def _cfg(tmp_path: Path, *overrides: str, replacement: str = "mlp") -> DictConfig:
     socket_dir = tmp_path / "sock"
     socket_dir.mkdir(mode=0o700, exist_ok=True)
-    return _compose(["mode=student", "replacement=mlp", f"data.seq_len={SEQ_LEN}", "student.micro_batch_size=4",
+    return _compose(["mode=student", f"replacement={replacement}", f"data.seq_len={SEQ_LEN}", "student.micro_batch_size=4",
                      "student.steps_per_stage=6", "student.checkpoint_every_steps=3", "student.log_every_steps=1",
                      "student.lr=1e-2", "pipeline.slot_count=8", "pipeline.worker_max_batch=4",
                      "pipeline.heartbeat_interval_s=0.2", f"pipeline.socket_dir={socket_dir}",
-                     f"checkpoint_dir={tmp_path / 'ckpt'}", "run_id=trainertest", *overrides])
+                     f"checkpoint_dir={tmp_path / 'ckpt'}", "run_id=trainertest", "student.inputs=teacher",
+                     "student.e2e.steps=0", *overrides])
 
 
 @pytest.fixture
@@ -72,12 +75,12 @@ def _events(out_dir: Path, event: str) -> list[dict]:
 
 
 def test_a_stage_trains_validates_checkpoints_and_records_itself(tmp_path: Path, pipeline_for) -> None:
-    cfg = _cfg(tmp_path, "student.val_every_steps=2")
+    cfg = _cfg(tmp_path, "student.val_every_steps=2", "student.layers=[1]")
     teacher = tiny_llama(VOCAB, 2)
     pipeline_for(cfg, teacher)
     ctx = _context(cfg, teacher, tmp_path / "run")
     try:
-        trainer = StageTrainer(ctx, ctx.stages[1])
+        trainer = StageTrainer(ctx, ctx.stages[0])
         train_stage(trainer)
     finally:
         ctx.client.close()
@@ -90,9 +93,9 @@ def test_a_stage_trains_validates_checkpoints_and_records_itself(tmp_path: Path,
     assert end["steps"] == 6 and end["stopped"] == "steps" and end["tokens"] == 6 * 4 * SEQ_LEN
     assert 0.0 <= end["wait_fraction"] <= 1.0 and end["delivered_samples_per_s"] > 0
     directory = ctx.checkpoint_dir
-    assert ckpt.read_progress(directory)["finished"] == [1]
-    assert (directory / "stage_1" / "replacement.safetensors").exists()
-    assert ckpt.has_training_state(directory, 1)  # the step-3 checkpoint of the stage
+    assert ckpt.read_progress(directory)["finished"] == [0]
+    assert (directory / "stage_0" / "replacement.safetensors").exists()
+    assert ckpt.has_training_state(directory, 0)  # the step-3 checkpoint of the stage
     assert json.loads((directory / "current" / "state.json").read_text())["step"] == 3
     for key in ("stage_setup_s", "validation_s", "checkpoint_s", "student_compute_s"):
         assert ctx.timings[key] > 0, key
@@ -129,6 +132,36 @@ def test_patience_ends_a_stage_that_stops_improving(tmp_path: Path, pipeline_for
         ctx.client.close()
     (end,) = _events(ctx.out_dir, "stage_end")
     assert end["stopped"] == "patience" and end["steps"] == 2  # the first validation sets the best
+
+
+def test_a_stage_ends_with_its_best_weights_also_after_a_resume(tmp_path: Path, pipeline_for) -> None:
+    """A copy of the teacher layer starts at loss 0 and weight decay pulls it away step by
+    step, so its first validation is its best: the stage must end with those weights, and a
+    resumed stage must still know them."""
+    cfg = _cfg(tmp_path, "student.val_every_steps=1", "student.weight_decay=2.0", replacement="copy")
+    teacher = tiny_llama(VOCAB, 1)
+    pipeline_for(cfg, teacher)
+    ctx = _context(cfg, teacher, tmp_path / "run")
+    try:
+        train_stage(StageTrainer(ctx, ctx.stages[0]))  # leaves its step-3 checkpoint behind
+        resumed = StageTrainer(ctx, ctx.stages[0])
+        resumed.setup()
+        assert resumed.best.step == 1
+        resumed.train()
+        resumed.finish()
+        resumed.cleanup()
+    finally:
+        ctx.client.close()
+    vals = [r["student_losses"]["0"] for r in _events(ctx.out_dir, "val")]
+    assert vals[0] < vals[-1]
+    ends = _events(ctx.out_dir, "stage_end")
+    assert [e["best_step"] for e in ends] == [1, 1] and ends[-1]["val"]["0"] == pytest.approx(vals[0])
+    kept = StageModule({0: TeacherCopy(teacher, 0)})
+    ckpt.load_stage_weights(ctx.checkpoint_dir, 0, kept)
+    with torch.no_grad():
+        x_BTD = teacher.embed(ctx.heldout_NT)
+        restored = layer_loss(kept.blocks["0"](x_BTD), teacher.run_layer(teacher.layers[0], x_BTD), "nmse")
+    assert float(restored) == pytest.approx(vals[0], rel=0.01)  # (validation averages per batch)
 
 
 @pytest.mark.parametrize("kind", ["nmse", "cosine"])
