@@ -87,7 +87,7 @@ class DirectLane:
         """DIRECT fills so far, for READY and every heartbeat (the heartbeat thread reads
         it: the counts are replaced, never changed in place, so a copy is consistent)."""
         counts = dict(self.counts)
-        report: dict = {"backlog": self.backlog}
+        report: dict = {"backlog": max(0, self.backlog)}  # never a number the broker refuses
         if counts:
             report["direct"] = {run_id: list(c) for run_id, c in counts.items()}
         return report
