@@ -39,6 +39,14 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   ``pipeline/notices`` is the dataset with ``direct_requests=False`` (every REQUEST
   through the broker, completions direct: two ZeroMQ hops plus one datagram);
   ``pipeline/relay`` the dataset with ``notices=False`` (four ZeroMQ hops).
+- ``defaults``: the README's path with every default (``--defaults``): workers with a
+  ``generator_fn`` returning each sample's bytes (``BatchConfig.encode``) and the
+  Worker's default ``max_batch``, a ``StudentClient(slot_count=16)`` and a
+  ``DistillIterableDataset(slot_count=8)`` without ``batch_size``, whose samples the
+  consumer copies one by one into the batch. Its table sets it beside the best tuned
+  pipeline cell of the same size and worker count: what a user who follows the README
+  gets, against what the tuned arguments give (issue 23 wants >= 0.9 at 256 KiB and
+  4 MiB).
 - ``tcp pipeline``: the same with the network medium (``medium="tcp"``): the
   workers are told not to map the student's segment, so every sample crosses
   loopback TCP (worker staging buffer -> ZeroMQ -> the student's slot -> batch).
@@ -90,6 +98,7 @@ Run it from the repository root::
     python bench/pipeline.py --sizes 4MiB --methods memcpy,handoff,pipe,dataset --slot-count 6
                                            # every ring and the student's pool: 6 slots
     python bench/pipeline.py --methods dataset,notices,relay,rtt   # direct requests, notices, broker relay
+    python bench/pipeline.py --methods memcpy,dataset,client --defaults   # the README's defaults beside tuned
     python bench/pipeline.py --sizes 4MiB --methods memcpy,dataset --rounds 7   # the spread, round by round
 
 Ctrl-C stops it cleanly: child processes are stopped (and die with this process
@@ -251,6 +260,31 @@ def run_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: 
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
                     local_shm=local_shm, curve=curve)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # leave with BYE: the broker stays quiet
+    ready.set()
+    worker.run()
+
+
+class EncodedSamples:
+    """The README worker's ``generator_fn``: one sample's bytes, ``fill_sample``-ed and
+    encoded (the copy the generator API costs)."""
+
+    def __init__(self, sample_bytes: int) -> None:
+        self.config = sample_config(sample_bytes)
+        self.sample = torch.empty(sample_bytes, dtype=torch.uint8)
+        self.counter = 0
+
+    def __call__(self, model_id: str, model_cfg: dict | None) -> bytes:
+        self.counter += 1
+        fill_sample(self.sample, self.counter)
+        return self.config.encode(x=self.sample)
+
+
+def run_default_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int) -> None:
+    """A worker as the README starts it: ``generator_fn`` and ``slot_size``, all else default."""
+    child_init(parent_pid)
+    worker = Worker(generator_fn=EncodedSamples(sample_bytes), slot_size=sample_bytes,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     ready.set()
     worker.run()
 
@@ -591,6 +625,58 @@ def bench_pipeline(size: Size, seconds: float, transport: Transport, consumers: 
                         yield measure(size, f"pipeline/{consumer}{suffix}", count, step, seconds, roles)
 
 
+README_CLIENT_SLOTS, README_DATASET_SLOTS = 16, 8
+"""The slot counts of the README's student example."""
+
+
+def bench_defaults(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int) -> Iterator[Result]:
+    """The README's path, every argument at its default, with 1 then 2 workers."""
+    config = sample_config(size.sample_bytes)
+    batch = _batch(size)
+    with Children() as kids:
+        workers = []
+        for count in (1, 2):
+            workers.append(kids.start(run_default_worker, endpoints, size.sample_bytes))
+            roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
+            with StudentClient(0, README_CLIENT_SLOTS, config, endpoints["frontend"], endpoints["control"],
+                               endpoints["control_pub"]) as client:
+                client.hello()
+                client.set_model(f"defaults-{size.sample_bytes}-{count}")
+                dataset = DistillIterableDataset(0, client.generation_value, README_DATASET_SLOTS, config,
+                                                 endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S)
+                samples = iter(dataset)
+
+                def step(it: Iterator[dict[str, torch.Tensor]] = samples) -> int:
+                    for i in range(size.batch_size):
+                        batch[i].copy_(next(it)["x"])
+                    return size.batch_size
+
+                try:
+                    yield measure(size, "defaults (README)", count, step, seconds, roles)
+                finally:
+                    samples.close()
+
+
+def print_defaults(results: list[Result], sizes: tuple[Size, ...]) -> None:
+    """The README's defaults beside the best tuned pipeline cell, same size and workers."""
+    print("\nout of the box: the README's API with default arguments / the best tuned pipeline cell "
+          "(same size, same worker count, same run)")
+    print(f"{'size':<8} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9}  target")
+    for size in sizes:
+        memcpy = _best(results, size, "cold memcpy")
+        for procs in (1, 2):
+            defaults = next((r for r in results if r.size == size and r.method.startswith("defaults")
+                             and r.procs == procs), None)
+            tuned = _best(results, size, "pipeline", procs=procs)
+            if defaults is None:
+                continue
+            ratio = defaults.rate / tuned.rate if tuned else None
+            verdict = "-" if size.label == "4 KiB" or ratio is None else (
+                f">= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}")
+            print(f"{size.label:<8} {procs:>7} {defaults.rate:>12,.0f} {_fmt(tuned.rate if tuned else None, 0):>12} "
+                  f"{_fmt(ratio):>8} {_fmt(defaults.rate / memcpy.rate if memcpy else None):>9}  {verdict}")
+
+
 @contextlib.contextmanager
 def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpoints: dict[str, str],
                    consumer: str, curve: CurveConfig | None = None) -> Iterator[Callable[[], int]]:
@@ -871,7 +957,7 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
     sock_dir = tempfile.mkdtemp(prefix="distill-bench-")
     try:
         with Children() as shared:
-            routes = transports(sock_dir, auth) if consumers or {"tcp", "rtt"} & methods else []
+            routes = transports(sock_dir, auth) if consumers or {"tcp", "rtt", "defaults"} & methods else []
             for route in routes:
                 route.broker_pid = shared.start(run_broker, route.endpoints, route.broker)
             if "rtt" in methods and round_trip is not None:
@@ -892,6 +978,8 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                     cells += bench_dataloader(size, seconds)
                 for route in routes if consumers else []:
                     cells += bench_pipeline(size, seconds, route, consumers)
+                if "defaults" in methods:
+                    cells += bench_defaults(size, seconds, routes[0].endpoints, routes[0].broker_pid)
                 if "zmq" in methods:
                     cells += bench_zmq(size, seconds)
                 if "tcp" in methods:
@@ -924,6 +1012,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="pipeline workers' max_batch, slots per batch (default: each size's own)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every cell this many times and report each ratio's median and spread")
+    parser.add_argument("--defaults", action="store_true",
+                        help="add the README's path with default arguments beside the tuned cells")
     parser.add_argument("--auth", action="store_true",
                         help="also run the pipeline over TCP loopback, without and with CurveZMQ")
     return parser.parse_args(argv)
@@ -943,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--worker-batch {args.worker_batch}: must be >= 1")
         sizes = tuple(replace(s, worker_batch=args.worker_batch) for s in sizes)
     methods = {m.strip() for m in args.methods.split(",")}
+    if args.defaults:
+        methods.add("defaults")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
     torch.set_num_threads(1)
@@ -970,6 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1:
         print_rounds(results, sizes)
     print_tcp_ratios(results, sizes)
+    if "defaults" in methods:
+        print_defaults(results, sizes)
     if args.auth:
         print_auth_cost(results)
     print_cpu(results)

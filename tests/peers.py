@@ -83,6 +83,23 @@ def run_worker(endpoints: dict[str, str], floats: int = PAYLOAD_FLOATS, max_batc
            direct_requests=direct_requests).run()
 
 
+def run_sleeping_worker(endpoints: dict[str, str], delay_s: float, max_batch: int = 4,
+                        heartbeat_interval_s: float = 0.2, per_sample: bool = False) -> None:
+    """A teacher-like worker: each batch sleeps ``delay_s`` (``per_sample``: that much per
+    slot of the batch, a GPU that is saturated) before it writes the request-derived
+    payloads; a GPU forward costs the host no CPU."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+    def fill(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        time.sleep(delay_s * len(targets) if per_sample else delay_s)
+        fill_targets(model_id, None, targets)
+
+    Worker(batch_fn=fill, batch_config=batch_config(), max_batch=max_batch,
+           backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+           heartbeat_interval_s=heartbeat_interval_s).run()
+
+
 def run_student(endpoints: dict[str, str], rank: int, num_samples: int, results, *,
                 leader: bool, batch_size: int | None, num_workers: int = 2,
                 slot_count: int = 32, curve: CurveConfig | None = None) -> None:

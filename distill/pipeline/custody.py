@@ -17,7 +17,8 @@ decides what happens when that someone does not come through:
   writer's claim waited on, anything else asked for again; one log line per kind and
   interval;
 - the fair share: no writer may claim more than ``ceil(slots / max(2, writers seen))``
-  of the pool's slots at once (the segment header's ``max_claims``).
+  of the pool's slots at once (the segment header's ``max_claims``), and no worker may
+  hold more than ``ceil(slots / live workers)`` of them by DIRECT (``direct_share``).
 """
 
 from __future__ import annotations
@@ -274,8 +275,21 @@ class Custody:
             pool.medium.set_max_claims(share)
 
     def direct_share(self) -> int:
-        """Slots one worker may hold by DIRECT: its share among the writers seen."""
-        return math.ceil(len(self.pool.slots) / max(1, len(self.pool.delivery.writers)))
+        """Slots one worker may hold by DIRECT: its share among the live workers.
+
+        A lane is sticky (a slot goes back to the worker that filled it last), so a worker
+        that never filled one of our slots would never get any if we split them only
+        among the writers we have seen. The broker tells us with every heartbeat answer
+        how many live workers it has: past a worker's share, its slots go through the
+        broker, which hands them to the least loaded worker (a newcomer first), and its
+        fills make them that worker's lanes. A worker that leaves or is given up on is
+        no longer counted, and the others take its share back. Each worker then fills
+        its share at its own pace, so the samples split in proportion to fill rates.
+        Without an answer yet (an old broker), the writers seen are counted."""
+        workers = self.pool.heart.workers
+        if not workers:
+            workers = len(self.pool.delivery.writers)
+        return math.ceil(len(self.pool.slots) / max(1, workers))
 
 
 def _holder_alive(holder: str | int | None, alive: dict[Any, bool]) -> bool:

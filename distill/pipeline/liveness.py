@@ -58,6 +58,8 @@ class Heartbeater:
         self.broker_id: str | None = None  # the broker instance that answers us
         self.forgotten = threading.Event()  # broker answered RECONNECT, or restarted
         self.introduced = threading.Event()  # some broker instance has answered (broker_id is set)
+        self.workers: int | None = None
+        """How many live workers the broker has, as its last answer said (None: not told)."""
         self._first_beat_s = 0.0 if first_beat_now else interval_s
         self._stop = threading.Event()
         self._beats = 0
@@ -133,6 +135,7 @@ class Heartbeater:
             self.forgotten.set()
         elif msg.command is Command.HEARTBEAT:
             self._follow_interval(msg.body.get("interval_ms"))
+            self.workers = msg.body.get("workers", self.workers)
             broker_id = msg.body["peer_id"]
             if self.broker_id is not None and broker_id != self.broker_id:
                 log.warning("%s: broker restarted (%s -> %s)", self.peer_id, self.broker_id, broker_id)

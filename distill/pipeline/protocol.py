@@ -49,7 +49,11 @@ Workers count what they filled for DIRECT requests (which the broker never sees)
 READY and HEARTBEAT: ``direct`` maps a run id to ``[filled, failed]`` slots so far,
 from which the broker's statistics add what is new. The broker's HEARTBEAT answers
 carry its ``interval_ms``: a peer that beats more slowly speeds up to it (a student
-served by direct requests sends the broker nothing but beats).
+served by direct requests sends the broker nothing but beats). A worker's HEARTBEAT
+also carries its ``backlog`` (DIRECT slots taken and not yet answered: work the broker
+never sees, so it hands its own WORK to the least loaded worker); the broker's answer
+to a student carries ``workers``, how many live workers it has (a student splits its
+direct requests among that many, ``custody.direct_share``).
 
 A worker that stops answering may still be writing into the slots it was given
 (frozen, not dead). Its slots are not handed to anyone else: the broker sends the
@@ -88,7 +92,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
@@ -98,7 +102,10 @@ it asked of a silent worker directly.
 5: slot headers of version 2 (writer claims, ``slot.py``), segment headers, keyed data
 sockets (``mediums/tcp.py``) and SET_MODEL.min_generation; a version-4 worker's
 headers would be refused by every student, and a version-4 broker would refuse the
-leader's switches)."""
+leader's switches.
+6: HEARTBEAT.backlog and .workers, READY.backlog (the load that follows the workers,
+``custody.direct_share``); a version-5 student would refuse every heartbeat answer and
+take the broker for silent, a version-5 broker every worker's READY)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
@@ -188,7 +195,7 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.REQUEST: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
                       "stride": "int", "slots": "slots"},
     Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?",
-                    "direct": "dict?"},
+                    "direct": "dict?", "backlog": "int?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
                    "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?",
                    "shared": "bool?"},
@@ -206,7 +213,8 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.STOP: {"run_id": "str?"},
     Command.STATS: {"run_id": "str?"},
     Command.STATS_REPLY: {"stats": "map"},
-    Command.HEARTBEAT: {"peer_id": "str", "role": "str", "direct": "dict?", "interval_ms": "int?"},
+    Command.HEARTBEAT: {"peer_id": "str", "role": "str", "direct": "dict?", "interval_ms": "int?",
+                        "backlog": "int?", "workers": "int?"},
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
     Command.ERROR: {"reason": "str", "command": "str?", "slots": "slots?"},

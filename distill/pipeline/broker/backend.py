@@ -59,6 +59,7 @@ class Backend:
             return
         check_key(f"worker {peer.peer_id[:64]}", peer.key, key)
         peer.last_seen = time.monotonic()
+        peer.backlog = min(body.get("backlog") or 0, limits.MAX_DIRECT_PER_REPORT)
         if body.get("direct"):
             self._count_direct(peer, limits.direct_counts(body["direct"]))
         state.send.to_worker(identity, Command.HEARTBEAT, state.beat_body)

@@ -3,7 +3,9 @@
 Workers get credit-based flow control: READY says how many slots a worker can hold
 (absolute, capped by ``max_worker_credit``), each WORK spends credit, each DONE
 returns it. WORKs hold slots of one run (one model), up to the worker's ``max_batch``
-(at most ``MAX_WORK_ITEMS``); runs are served round robin.
+(at most ``MAX_WORK_ITEMS``); runs are served round robin. Each WORK goes to the
+least loaded worker: the most credit, less the DIRECT slots its last heartbeat said it
+holds (``backlog``: students' direct requests, which spend no credit here).
 
 A request carries no generation of its own beyond "at least this one": the broker
 stamps the run's *current* generation when it hands the slot to a worker, and
@@ -54,15 +56,15 @@ class Dispatcher:
     # ------------------------------------------------------------------ WORK
     def dispatch(self) -> None:
         """Hand queued slots to workers with credit: one WORK per run in turn, to the
-        worker with the most credit, until a whole turn serves no run. The turn goes on
+        least loaded worker with credit, until a whole turn serves no run. The turn goes on
         from where the last one stopped, so runs with equal demand get equal shares
         (a full rotation per call would let the first run take every freed credit)."""
         state = self.state
         workers, order = state.workers.peers, state.runs.order
         idle = 0
         while workers and idle < len(order):
-            worker = max(workers.values(), key=lambda w: w.credit)
-            if worker.credit <= 0:
+            worker = least_loaded(workers.values())
+            if worker is None:
                 return
             run = state.runs.runs[order[0]]
             order.rotate(-1)
@@ -228,6 +230,21 @@ class Dispatcher:
             run.completed += num_rows
             run.discarded += num_discarded
         self.state.completed_rate.add(num_rows)
+
+
+def least_loaded(workers: Any) -> WorkerPeer | None:
+    """The worker with credit that is least loaded: the most credit once its DIRECT
+    backlog is counted against it. A worker kept busy by students' direct requests
+    still has all its broker credit; picked by credit alone it would get the slots a
+    student sends us so that an idle worker (one that joined later) takes them."""
+    best, best_free = None, None
+    for worker in workers:
+        if worker.credit <= 0:
+            continue
+        free = worker.credit - worker.backlog
+        if best_free is None or free > best_free:
+            best, best_free = worker, free
+    return best
 
 
 def parts(works: Any) -> list[Work]:

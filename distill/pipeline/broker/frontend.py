@@ -93,7 +93,9 @@ class Frontend:
         if peer is not None:
             check_key(f"student {peer.peer_id[:64]}", peer.connection.key, key)
             peer.last_seen = time.monotonic()
-        state.send.to_student(identity, Command.HEARTBEAT, state.beat_body)
+        # With how many live workers there are: the student splits its direct requests
+        # among that many (a worker that joins later gets its share at once).
+        state.send.to_student(identity, Command.HEARTBEAT, {**state.beat_body, "workers": len(state.workers)})
 
     def on_bye(self, identity: bytes, key: str | None, body: dict) -> None:
         peer = self.state.students.bound(identity, body["peer_id"], key, "BYE")

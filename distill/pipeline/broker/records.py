@@ -89,6 +89,9 @@ class WorkerPeer:
     """The worker's process token (``liveness.process_token``), passed on in QUARANTINE."""
     direct: dict[str, tuple[int, int]] = field(default_factory=dict)
     """run -> (filled, failed) DIRECT slots the worker reported so far."""
+    backlog: int = 0
+    """DIRECT slots it reported taken and not yet answered (its last heartbeat): work we
+    never see, counted against its credit when we pick a worker (``dispatch.py``)."""
     last_done_at: float = 0.0
     """When its last DONE came: the clock of its oldest in-flight WORK starts then, or at
     that WORK's sending, whichever is later (a worker does its WORKs in order)."""

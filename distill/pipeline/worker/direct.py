@@ -58,6 +58,9 @@ class DirectLane:
         """Answers not delivered yet (inbox full or gone): (segment, datagram, give-up time)."""
         self.filled = 0
         """Samples written for DIRECT requests (the broker never saw them)."""
+        self.backlog = 0
+        """DIRECT slots taken off the lane and not yet answered (filled or declined): the
+        load the broker cannot see, reported with every heartbeat."""
         self.counts: dict[str, tuple[int, int]] = {}
         """run -> (filled, failed) DIRECT slots so far, reported to the broker for its statistics."""
         self._refusals = LogThrottle(log)
@@ -84,7 +87,10 @@ class DirectLane:
         """DIRECT fills so far, for READY and every heartbeat (the heartbeat thread reads
         it: the counts are replaced, never changed in place, so a copy is consistent)."""
         counts = dict(self.counts)
-        return {"direct": {run_id: list(c) for run_id, c in counts.items()}} if counts else {}
+        report: dict = {"backlog": max(0, self.backlog)}  # never a number the broker refuses
+        if counts:
+            report["direct"] = {run_id: list(c) for run_id, c in counts.items()}
+        return report
 
     # ------------------------------------------------------------------ requests
     def take(self) -> None:
@@ -94,13 +100,16 @@ class DirectLane:
         for msg in self._lane.receive(MAX_QUEUED_DIRECT - len(self._queue)):
             if is_our_name(msg.body["medium"]):  # else there is no student inbox to answer
                 self._queue.append(msg)
+                self.backlog += len(msg.body["slots"])
             else:
                 self._refusals.warning("worker %s: direct request for %r dropped: not a segment of ours",
                                        self.peer_id, msg.body["medium"][:64])
 
     def decline_all(self, why: str) -> None:
         while self._queue:
-            self.decline(self._queue.popleft().body, why)
+            body = self._queue.popleft().body
+            self.backlog -= len(body["slots"])
+            self.decline(body, why)
 
     def next_batch(self, model_for: Callable[[dict], Model | str]) -> list[Message]:
         """Up to about ``max_batch`` slots of queued DIRECTs as WORK-like messages;
@@ -114,6 +123,7 @@ class DirectLane:
                 body = {**body, "slots": body["slots"][:room]}
             model = model_for(body)
             if isinstance(model, str):
+                self.backlog -= len(body["slots"])
                 self.decline(body, model)
                 continue
             works.append(_as_work(body, model, len(works)))
@@ -124,6 +134,7 @@ class DirectLane:
     def answer(self, body: dict, failures: dict[int, str]) -> None:
         """Notify the student of a filled DIRECT (its failed slots too: no broker will);
         slots the worker would not write are declined, so the student asks the broker."""
+        self.backlog = max(0, self.backlog - len(body["items"]))
         slots, stale = [], []
         for idx, (_medium, slot_idx, _stride, request_id) in enumerate(body["items"]):
             why = failures.get(idx)
