@@ -75,6 +75,9 @@ class Run:
     converted: list[int]
     teacher_dir: str
     wall_s: float
+    decode_speedup: float | None = None
+    """Teacher / student decode ms/token at 8192 tokens of context (batch 1), timed side by
+    side by the run itself (``result.json``'s ``decode``); None for encoders."""
 
 
 def kind_overrides(kind: str) -> tuple[str, list[str]]:
@@ -112,7 +115,8 @@ def read_run(work: Path, name: str) -> Run | None:
     wall = work / name / "wall_s"
     return Run(evaluation["teacher"], evaluation["student"], summary.get("student_after_layer_stages"),
                evaluation.get("identity"), list(summary["layers"]), summary["teacher"],
-               float(wall.read_text()) if wall.exists() else float("nan"))
+               float(wall.read_text()) if wall.exists() else float("nan"),
+               (result.get("decode") or {}).get("speedup"))
 
 
 def stack_cost(kind: str, teacher: Teacher, converted: list[int], seq_len: int) -> tuple[float, float]:
@@ -156,9 +160,10 @@ def table(rows: dict[str, list[Run]], lm: bool) -> str:
     teacher = Teacher.from_pretrained(first.teacher_dir)
     head = ["kind", "seeds", f"student {metric}", "gap to teacher", "after layer stages",
             "end-to-end: gap recovered", *([] if lm else ["identity baseline"]), "layers converted",
-            "params ratio", *(f"FLOPs ratio @{c}" for c in CONTEXTS)]
+            "params ratio", *(f"FLOPs ratio @{c}" for c in CONTEXTS), *(["decode speedup @8192"] if lm else [])]
     lines = ["| " + " | ".join(head) + " |", "| --- " * len(head) + "|",
-             f"| teacher | | {first.teacher:.4g} | | | |" + ("" if lm else " |") + " all kept | 1 | 1 | 1 |"]
+             f"| teacher | | {first.teacher:.4g} | | | |" + ("" if lm else " |") + " all kept | 1 | 1 | 1 |"
+             + (" 1 |" if lm else "")]
     for kind, runs in rows.items():
         if not runs:
             continue
@@ -176,6 +181,9 @@ def table(rows: dict[str, list[Run]], lm: bool) -> str:
                  *([] if lm else [_spread([r.identity for r in runs if r.identity is not None])]),
                  " / ".join(",".join(map(str, c)) for c in converted),
                  f"{costs[0][0]:.3f}", *(f"{flops:.3f}" for _, flops in costs)]
+        if lm:
+            speedups = [r.decode_speedup for r in runs if r.decode_speedup is not None]
+            cells.append(f"{statistics.median(speedups):.2f}x" if speedups else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
