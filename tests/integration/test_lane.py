@@ -183,7 +183,10 @@ def test_a_frozen_worker_s_direct_slots_are_asked_again_and_its_late_answers_cha
             while not asked <= seen:  # their samples come from the other worker
                 assert time.monotonic() < deadline, f"never delivered: {sorted(asked - seen)}"
                 _take(client, generation, seen, 1)
-            assert pool.counts["quarantined"] == 0  # it never claimed them: nothing to wait for
+            # What it never claimed is asked again, not waited for; only a batch it was
+            # writing when the SIGSTOP came (at most max_batch=2 slots, claimed) stays out of
+            # use until its late answer (the check after SIGCONT: every slot back in use).
+            assert pool.counts["quarantined"] <= 2, pool.counts
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         slots: set[int] = set()
