@@ -180,18 +180,26 @@ class SharedMemoryManager(MediumBase):
 
 
 def _create(name: str | None, run_id: str, size: int) -> tuple[str, int, mmap.mmap]:
-    """Create, lock, size and map a new segment; a generated name is tried again if a
-    concurrent sweep removed the file in the instant before it was locked."""
+    """Create, lock, size and map a new segment; created again (a given name) or under a new
+    name (a generated one) if a concurrent sweep removed the file in the instant before it
+    was locked."""
     check_shm_space(size)
-    for _ in range(_CREATE_ATTEMPTS):
+    for attempt in range(_CREATE_ATTEMPTS):
         chosen = name or segment_name(run_id)
-        fd = _posixshmem.shm_open("/" + chosen, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # first: a sweep now sees a live owner
-            if os.fstat(fd).st_nlink == 0:  # swept between shm_open and flock
-                os.close(fd)
-                if name is not None:
-                    raise FileExistsError(f"shared memory {name} was removed while it was being created")
+            fd = _posixshmem.shm_open("/" + chosen, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except FileExistsError:
+            if name is None or not _swept_in_time(chosen, attempt):
+                raise
+            continue  # a sweep was removing our last attempt's file under this name
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # first: a sweep now sees a live owner
+            except BlockingIOError:  # a sweep holds the new, unlocked file to look at it and
+                os.close(fd)         # will remove it: try again
+                continue
+            if os.fstat(fd).st_nlink == 0:  # swept between shm_open and flock: the name is
+                os.close(fd)                 # free again (O_EXCL: nobody else's), try again
                 continue
             os.fchmod(fd, 0o600)  # umask could only have narrowed it; make it exact
             _reserve(fd, chosen, size)
@@ -203,6 +211,19 @@ def _create(name: str | None, run_id: str, size: int) -> tuple[str, int, mmap.mm
             raise
     raise OSError(f"could not create a shared-memory segment in {_CREATE_ATTEMPTS} attempts "
                   "(another process keeps sweeping /dev/shm)")
+
+
+def _swept_in_time(name: str, attempt: int) -> bool:
+    """After our own attempt at ``name`` was caught by a sweep: whether the sweep has removed
+    it by now (waited for briefly); a name some other owner holds stays, and is refused."""
+    if attempt == 0:
+        return False  # the first attempt's EEXIST is another owner's segment
+    deadline = time.monotonic() + 0.05
+    while os.path.exists(os.path.join(SHM_DIR, name)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _reserve(fd: int, name: str, size: int) -> None:
