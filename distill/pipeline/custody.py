@@ -26,16 +26,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distill.pipeline.delivery import BACKOFF_MAX_S
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim
 from distill.pipeline.slots import PENDING, QUARANTINED, Route, SlotRecord
 from distill.pipeline.throttle import LogThrottle
-
-if TYPE_CHECKING:
-    from distill.pipeline.pool import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ WRITER_WINDOW_HEARTBEATS = 30
 class Custody:
     """The waiting side of one pool (see module docstring)."""
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: Any) -> None:  # the SlotPool that holds this (pool.py imports us)
         self.pool = pool
         self.share = 0
         """The fair share last written into the segment header (``max_claims``)."""

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim, read_header
 from distill.pipeline.slots import AWAITING, PENDING, Route, SlotRecord
 from distill.pipeline.throttle import LogThrottle
-
-if TYPE_CHECKING:
-    from distill.pipeline.pool import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +39,7 @@ LATENCY_WEIGHT = 0.1
 class Delivery:
     """The accepting side of one pool (see module docstring)."""
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: Any) -> None:  # the SlotPool that holds this (pool.py imports us)
         self.pool = pool
         self.latency_s: float | None = None
         """Typical time from asking for a slot to accepting it (a moving average)."""

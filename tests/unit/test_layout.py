@@ -155,7 +155,7 @@ def test_pipeline_imports_nothing_of_the_application() -> None:
 
 
 def test_no_import_cycle() -> None:
-    cycle = _find_cycle(_edges(_sources(), runtime_only=True))
+    cycle = _find_cycle(_edges(_sources()))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
