@@ -4,10 +4,7 @@ documented lazy ones.
 Layers, top to bottom (a module imports its own subpackage and the layers below it):
 ``distill`` / ``distill.__main__`` -> ``modes`` -> ``results`` -> ``train`` ->
 ``replacements`` -> ``model`` -> ``config`` -> ``pipeline`` (which imports nothing of the app).
-Every import statement counts for the direction, at module level, inside functions or under
-TYPE_CHECKING. For cycles, imports under TYPE_CHECKING do not count: they never run, and a
-collaborator naming its owner's type for its annotations (``pipeline/delivery.py`` and
-``custody.py`` annotating the ``SlotPool`` that holds them) is how Python types a back reference.
+Every import statement counts, at module level, inside functions or under TYPE_CHECKING.
 """
 
 from __future__ import annotations
