@@ -47,6 +47,12 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   pipeline cell of the same size and worker count: what a user who follows the README
   gets, against what the tuned arguments give (issue 23 wants >= 0.9 at 256 KiB and
   4 MiB).
+- ``softs 0.1.2`` (``--defaults``, when ``softs`` is installed, e.g. ``pip install softs==0.1.2``
+  in a throwaway venv; skipped with a line saying so otherwise): the seed's later
+  release on the same terms, a softs ``Broker`` process, ``Supplier`` processes whose
+  ``generator_fn`` returns each sample's bytes and a ``SoftIterableDataset`` with its
+  default ``num_slots=8``, whose samples the consumer copies one by one into the batch:
+  what the README's path is compared with at 4 KiB (issue 23 wants >= 20x).
 - ``tcp pipeline``: the same with the network medium (``medium="tcp"``): the
   workers are told not to map the student's segment, so every sample crosses
   loopback TCP (worker staging buffer -> ZeroMQ -> the student's slot -> batch).
@@ -283,6 +289,43 @@ def run_default_worker(parent_pid: int, ready, endpoints: dict[str, str], sample
     """A worker as the README starts it: ``generator_fn`` and ``slot_size``, all else default."""
     child_init(parent_pid)
     worker = Worker(generator_fn=EncodedSamples(sample_bytes), slot_size=sample_bytes,
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    ready.set()
+    worker.run()
+
+
+def run_softs_broker(parent_pid: int, ready, frontend: str, backend: str) -> None:
+    """softs 0.1.2's broker (a thread of this process), until stopped."""
+    child_init(parent_pid)
+    import softs  # the optional comparison: only this cell imports it
+
+    softs.Broker(softs.EndpointConfig(frontend=frontend, backend=backend)).start()
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
+def run_softs_supplier(parent_pid: int, ready, backend: str, sample_bytes: int) -> None:
+    """softs 0.1.2's supplier with the README-style generator (one sample's bytes per call)."""
+    child_init(parent_pid)
+    import softs
+
+    samples = EncodedSamples(sample_bytes)
+    supplier = softs.Supplier(generator_fn=lambda product_id: samples(product_id, None), product_ids=[".*"],
+                              endpoint=backend, medium_cls=softs.ShmMedium, slot_size=sample_bytes)
+    supplier.start()
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
+def run_default_batch_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int) -> None:
+    """The README's worker with ``batch_fn`` instead of ``generator_fn`` (every other
+    argument at its default): the student's default path without the generator API's
+    own copies (encode, then bytes into the slot)."""
+    child_init(parent_pid)
+    worker = Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes),
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     ready.set()
@@ -629,19 +672,30 @@ README_CLIENT_SLOTS, README_DATASET_SLOTS = 16, 8
 """The slot counts of the README's student example."""
 
 
+DEFAULT_WORKERS = {"defaults (README)": run_default_worker, "defaults, batch_fn": run_default_batch_worker}
+"""The README's worker (``generator_fn``), and the same with ``batch_fn``."""
+
+
 def bench_defaults(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int) -> Iterator[Result]:
-    """The README's path, every argument at its default, with 1 then 2 workers."""
+    """The README's path, every argument at its default, with 1 then 2 workers; then the
+    same student with ``batch_fn`` workers."""
+    for method, target in DEFAULT_WORKERS.items():
+        yield from _default_cells(size, seconds, endpoints, broker_pid, method, target)
+
+
+def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int, method: str,
+                   target: Callable) -> Iterator[Result]:
     config = sample_config(size.sample_bytes)
     batch = _batch(size)
     with Children() as kids:
         workers = []
         for count in (1, 2):
-            workers.append(kids.start(run_default_worker, endpoints, size.sample_bytes))
+            workers.append(kids.start(target, endpoints, size.sample_bytes))
             roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
             with StudentClient(0, README_CLIENT_SLOTS, config, endpoints["frontend"], endpoints["control"],
                                endpoints["control_pub"]) as client:
                 client.hello()
-                client.set_model(f"defaults-{size.sample_bytes}-{count}")
+                client.set_model(f"defaults-{size.sample_bytes}-{count}-{len(method)}")
                 dataset = DistillIterableDataset(0, client.generation_value, README_DATASET_SLOTS, config,
                                                  endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S)
                 samples = iter(dataset)
@@ -652,29 +706,78 @@ def bench_defaults(size: Size, seconds: float, endpoints: dict[str, str], broker
                     return size.batch_size
 
                 try:
-                    yield measure(size, "defaults (README)", count, step, seconds, roles)
+                    yield measure(size, method, count, step, seconds, roles)
                 finally:
                     samples.close()
+
+
+def softs_installed() -> bool:
+    try:
+        import softs  # noqa: F401  (the optional comparison)
+    except ImportError:
+        return False
+    return True
+
+
+def bench_softs(size: Size, seconds: float, sock_dir: str) -> Iterator[Result]:
+    """softs 0.1.2 on the README's terms: its dataset's default ``num_slots``, 1 then 2 suppliers."""
+    import softs
+
+    frontend, backend = f"ipc://{sock_dir}/softs-frontend.sock", f"ipc://{sock_dir}/softs-backend.sock"
+    config = softs.BatchConfig([softs.TensorSpec("x", (size.sample_bytes,), "uint8")])
+    batch = _batch(size)
+    with Children() as kids:
+        broker = kids.start(run_softs_broker, frontend, backend)
+        suppliers: list[int] = []
+        for count in (1, 2):
+            suppliers.append(kids.start(run_softs_supplier, backend, size.sample_bytes))
+            dataset = softs.SoftIterableDataset(model_id=f"softs-{size.sample_bytes}", endpoint=frontend,
+                                                batch_config=config, medium_cls=softs.ShmMedium,
+                                                request_timeout=FIRST_BATCH_TIMEOUT_S)
+            samples = iter(dataset)
+
+            def step(it: Iterator[dict[str, torch.Tensor]] = samples) -> int:
+                for i in range(size.batch_size):
+                    batch[i].copy_(next(it)["x"])
+                return size.batch_size
+
+            try:
+                yield measure(size, "softs 0.1.2", count, step, seconds,
+                              {"consumer": [os.getpid()], "broker": [broker], "producers": list(suppliers)})
+            finally:
+                samples.close()
+                if dataset._client is not None:
+                    dataset._client.close()
 
 
 def print_defaults(results: list[Result], sizes: tuple[Size, ...]) -> None:
     """The README's defaults beside the best tuned pipeline cell, same size and workers."""
     print("\nout of the box: the README's API with default arguments / the best tuned pipeline cell "
           "(same size, same worker count, same run)")
-    print(f"{'size':<8} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9}  target")
+    print(f"{'size':<8} {'worker':<11} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9} "
+          f"{'softs/s':>10} {'/ softs':>8}  target")
     for size in sizes:
         memcpy = _best(results, size, "cold memcpy")
-        for procs in (1, 2):
-            defaults = next((r for r in results if r.size == size and r.method.startswith("defaults")
+        for method, procs in itertools.product(DEFAULT_WORKERS, (1, 2)):
+            defaults = next((r for r in results if r.size == size and r.method == method
                              and r.procs == procs), None)
             tuned = _best(results, size, "pipeline", procs=procs)
+            softs = next((r for r in results if r.size == size and r.method.startswith("softs")
+                          and r.procs == procs), None)
             if defaults is None:
                 continue
             ratio = defaults.rate / tuned.rate if tuned else None
-            verdict = "-" if size.label == "4 KiB" or ratio is None else (
-                f">= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}")
-            print(f"{size.label:<8} {procs:>7} {defaults.rate:>12,.0f} {_fmt(tuned.rate if tuned else None, 0):>12} "
-                  f"{_fmt(ratio):>8} {_fmt(defaults.rate / memcpy.rate if memcpy else None):>9}  {verdict}")
+            over_softs = defaults.rate / softs.rate if softs else None
+            if size.label == "4 KiB":
+                verdict = "-" if over_softs is None else f"/ softs >= 20: {'met' if over_softs >= 20 else 'MISSED'}"
+            else:
+                verdict = "-" if ratio is None else f">= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}"
+            print(f"{size.label:<8} {method.removeprefix('defaults').strip(' (),') or '-':<11} {procs:>7} "
+                  f"{defaults.rate:>12,.0f} {_fmt(tuned.rate if tuned else None, 0):>12} "
+                  f"{_fmt(ratio):>8} {_fmt(defaults.rate / memcpy.rate if memcpy else None):>9} "
+                  f"{_fmt(softs.rate if softs else None, 0):>10} {_fmt(over_softs, 1):>8}  {verdict}")
+    if not any(r.method.startswith("softs") for r in results):
+        print("(no softs column: softs is not installed; `pip install softs==0.1.2` in a throwaway venv adds it)")
 
 
 @contextlib.contextmanager
@@ -980,6 +1083,8 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                     cells += bench_pipeline(size, seconds, route, consumers)
                 if "defaults" in methods:
                     cells += bench_defaults(size, seconds, routes[0].endpoints, routes[0].broker_pid)
+                    if softs_installed():
+                        cells += bench_softs(size, seconds, sock_dir)
                 if "zmq" in methods:
                     cells += bench_zmq(size, seconds)
                 if "tcp" in methods:

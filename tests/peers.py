@@ -368,3 +368,27 @@ def run_slow_writer(endpoints: dict[str, str], mid_file: str, pause_s: float,
 
     Worker(batch_fn=slow, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def readme_config(sample_bytes: int) -> BatchConfig:
+    """A sample of ``sample_bytes`` as int64 words: [writer pid, counter, counter, ...]."""
+    return BatchConfig([TensorSpec("x", (sample_bytes // 8,), "int64")])
+
+
+def run_readme_worker(endpoints: dict[str, str], sample_bytes: int) -> None:
+    """The seed README's worker: a ``generator_fn`` returning each sample's bytes, every
+    other argument at its default. Each sample names its writer and its number, and is
+    that number throughout, so a consumer can tell a torn or overwritten one."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    config = readme_config(sample_bytes)
+    counter = [0]
+
+    def generate(model_id: str, model_cfg: dict | None) -> bytes:
+        counter[0] += 1
+        x = torch.full((sample_bytes // 8,), counter[0], dtype=torch.int64)
+        x[0] = os.getpid()
+        return config.encode(x=x)
+
+    Worker(generator_fn=generate, slot_size=config.nbytes(), backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"]).run()

@@ -129,10 +129,25 @@ class BatchConfig:
 
     # ---------------------------------------------------------------- codec
     def encode(self, **tensors: torch.Tensor) -> bytes:
-        """Pack the named tensors into new ``bytes`` (one copy)."""
-        out = bytearray(self._nbytes)
-        self.write(out, **tensors)
-        return bytes(out)
+        """Pack the named tensors into new ``bytes`` with one copy: ``bytes.join`` over the
+        tensors' own bytes (a zeroed buffer written and then copied into ``bytes`` cost a
+        README worker two more passes over every sample: 4 MiB samples, 3x the fill)."""
+        self._check_names(tensors, "encode")
+        parts = []
+        for spec in self.specs:
+            src = tensors[spec.name]
+            if tuple(src.shape) != spec.shape:
+                raise ValueError(f"tensor {spec.name!r}: shape {tuple(src.shape)} != spec {spec.shape}")
+            if spec.nbytes:
+                flat = src.detach().to("cpu", spec.torch_dtype).contiguous().view(-1)
+                parts.append(memoryview(flat.view(torch.uint8).numpy()))
+        return b"".join(parts)
+
+    def _check_names(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+        missing = {s.name for s in self.specs} - set(tensors)
+        extra = set(tensors) - {s.name for s in self.specs}
+        if missing or extra:
+            raise ValueError(f"BatchConfig.{what}: missing {sorted(missing)}, unexpected {sorted(extra)}")
 
     def write(self, buf: Buffer, **tensors: torch.Tensor) -> None:
         """Copy the named tensors straight into ``buf`` (at least ``nbytes()`` long)."""

@@ -34,6 +34,7 @@ from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 from distill.pipeline.pool import CONTROL_TIMEOUT_MS, DEFAULT_RUN, PoolConfig, SlotPool
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.settings import merge
+from distill.pipeline.sizing import chosen_slots
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class StudentConfig:
     """See :class:`~distill.pipeline.pool.PoolConfig`."""
 
     def __post_init__(self) -> None:
-        missing = [name for name in ("student_rank", "slot_count", "batch_config") if getattr(self, name) is None]
+        missing = [name for name in ("student_rank", "batch_config") if getattr(self, name) is None]
         if missing:
             raise ValueError(f"StudentClient needs {', '.join(missing)} (the seed README's arguments)")
 
@@ -123,7 +124,8 @@ class StudentClient:
         self._pool = SlotPool(
             generation=self._current_generation, note_generation=self._note_generation,
             config=PoolConfig(frontend_endpoint=self.frontend_endpoint, run_id=cfg.run_id,
-                              slot_count=cfg.slot_count, payload_bytes=cfg.batch_config.nbytes(),
+                              slot_count=cfg.slot_count or chosen_slots("StudentClient", cfg.batch_config),
+                              payload_bytes=cfg.batch_config.nbytes(),
                               heartbeat_interval_s=cfg.heartbeat_interval_s,
                               heartbeat_liveness=cfg.heartbeat_liveness, medium=cfg.medium,
                               tcp_host=cfg.tcp_host, curve=self._keys, notices=cfg.notices,

@@ -56,8 +56,10 @@ from distill.pipeline.auth import CurveConfig
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+from distill.pipeline.loans import LEND_MIN_BYTES, SlotLoans
 from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
 from distill.pipeline.settings import merge
+from distill.pipeline.sizing import chosen_slots
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,8 @@ class DatasetConfig:
 
     student_rank: int | None = None
     slot_count: int | None = None
-    """Slots of each process's pool (the main process, or each DataLoader worker)."""
+    """Slots of each process's pool (the main process, or each DataLoader worker); None:
+    a byte budget against the last-level cache (``sizing.ring_slots``, logged)."""
     batch_config: BatchConfig | None = None
     frontend_endpoint: str | None = None
     max_retries: int = 10
@@ -103,7 +106,7 @@ class DatasetConfig:
     """See :class:`~distill.pipeline.pool.PoolConfig`."""
 
     def __post_init__(self) -> None:
-        missing = [name for name in ("student_rank", "slot_count", "batch_config") if getattr(self, name) is None]
+        missing = [name for name in ("student_rank", "batch_config") if getattr(self, name) is None]
         if missing:
             raise ValueError(f"DistillIterableDataset needs {', '.join(missing)} (the seed README's arguments)")
         _check_pin_memory(self.pin_memory, self.batch_size, self.reuse_batches)
@@ -133,7 +136,10 @@ class DistillIterableDataset(IterableDataset):
 
     # The settings the seed README names, as attributes (all of them: ``config``).
     student_rank = property(lambda self: self.config.student_rank)
-    slot_count = property(lambda self: self.config.slot_count)
+    @property
+    def slot_count(self) -> int:
+        """The slots of each pool: as given, or chosen from the sample's bytes (``sizing.py``)."""
+        return self.config.slot_count or chosen_slots("DistillIterableDataset", self.config.batch_config)
     batch_config = property(lambda self: self.config.batch_config)
     batch_size = property(lambda self: self.config.batch_size)
     max_retries = property(lambda self: self.config.max_retries)
@@ -161,7 +167,7 @@ class DistillIterableDataset(IterableDataset):
     def _open_pool(self) -> SlotPool:
         cfg = self.config
         pool = SlotPool(generation=self._generation, note_generation=self._note_generation, config=PoolConfig(
-            frontend_endpoint=self.frontend_endpoint, run_id=cfg.run_id, slot_count=cfg.slot_count,
+            frontend_endpoint=self.frontend_endpoint, run_id=cfg.run_id, slot_count=self.slot_count,
             payload_bytes=cfg.batch_config.nbytes(), role=f"dataset{cfg.student_rank}",
             heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_liveness=cfg.heartbeat_liveness,
             medium=cfg.medium, tcp_host=cfg.tcp_host, curve=cfg.curve, notices=cfg.notices,
@@ -180,9 +186,6 @@ class DistillIterableDataset(IterableDataset):
         with self.generation_value.get_lock():
             if generation > self.generation_value.value:
                 self.generation_value.value = generation
-
-    def _next(self, pool: SlotPool) -> tuple[int, int, int]:
-        return self._next_many(pool, 1)[0]
 
     def _next_many(self, pool: SlotPool, max_count: int) -> list[tuple[int, int, int]]:
         """1 to ``max_count`` ready slots (slot, generation, request id) of the current
@@ -210,19 +213,64 @@ class DistillIterableDataset(IterableDataset):
                             "the leader called set_model?", now - started, self._generation())
 
     def _samples(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
+        """One sample per item: every slot ready is taken at once, so the requests and
+        notices per sample fall with the pool's size (one datagram each way per chunk, not
+        per sample); large samples are lent as views of their slots (``loans.py``), small
+        ones copied a chunk at a time."""
+        if self.batch_config.nbytes() >= LEND_MIN_BYTES:
+            yield from self._lent_samples(pool, SlotLoans(self.batch_config, pool.config.slot_count // 2))
+            return
+        half = max(1, pool.config.slot_count // 2)
         while True:
-            slot, gen, req = self._next(pool)
-            _, views = pool.slot_tensors(slot, self.batch_config)
-            sample = {name: view.clone() for name, view in views.items()}
-            fill = pool.fill_number(slot)
-            pool.release(slot)
-            if self.config.with_meta:
-                sample.update(generation=torch.tensor(gen), request_id=torch.tensor(req),
-                              source=torch.tensor(pool.source_id), fill=torch.tensor(fill))
-            yield sample
+            ready = self._next_many(pool, half)  # half a ring: the workers fill the other half meanwhile
+            slots = [slot for slot, _, _ in ready]
+            chunk = self._new_batch(len(slots))
+            pool.gather(slots, self.batch_config, chunk, 0)
+            fills = [pool.fill_number(slot) for slot in slots] if self.config.with_meta else None
+            pool.release_many(slots)  # copied out: ask for them again before yielding any
+            pool.flush()
+            for row, (_, gen, req) in enumerate(ready):
+                if gen < self._generation():  # the model moved on while we yielded
+                    continue
+                sample = {name: tensor[row] for name, tensor in chunk.items()}
+                if fills is not None:
+                    sample.update(self._meta(pool, gen, req, fills[row]))
+                yield sample
 
-    def _new_batch(self) -> dict[str, torch.Tensor]:
-        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=self.config.pin_memory)
+    def _lent_samples(self, pool: SlotPool, loans: SlotLoans) -> Iterator[dict[str, torch.Tensor]]:
+        """Large samples: views of their slots while the consumer holds them. No more slots
+        are taken than may be lent (a consumer that holds the limit gets copies, one at a
+        time); slots whose loans ended are asked for again a quarter of the ring at a time
+        (and before any wait), so a worker fills several per wake-up."""
+        while True:
+            pool.release_many(loans.returned())
+            for slot, gen, req in self._next_many(pool, max(1, loans.limit - loans.out)):
+                if gen < self._generation():
+                    pool.release_many([slot])
+                    continue
+                fill = pool.fill_number(slot)
+                if loans.room():
+                    sample = loans.lend(slot, pool.payload_view(slot))
+                else:
+                    _, views = pool.slot_tensors(slot, self.batch_config)
+                    sample = {name: view.clone() for name, view in views.items()}
+                    pool.release_many([slot])
+                if self.config.with_meta:
+                    sample.update(self._meta(pool, gen, req, fill))
+                yield sample
+                del sample  # ours no longer: its loan ends when the consumer lets go
+                pool.release_many(loans.returned())
+                if len(pool.slots.to_send) >= pool.request_batch:
+                    pool.flush()
+
+    @staticmethod
+    def _meta(pool: SlotPool, gen: int, req: int, fill: int) -> dict[str, torch.Tensor]:
+        return {"generation": torch.tensor(gen), "request_id": torch.tensor(req),
+                "source": torch.tensor(pool.source_id), "fill": torch.tensor(fill)}
+
+    def _new_batch(self, rows: int | None = None) -> dict[str, torch.Tensor]:
+        return {s.name: torch.empty((rows or self.batch_size, *s.shape), dtype=s.torch_dtype,
+                                    pin_memory=self.config.pin_memory)
                 for s in self.batch_config.specs}
 
     def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:

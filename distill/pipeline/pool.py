@@ -488,6 +488,10 @@ class SlotPool:
         view, tensors = cached
         return view, {name: tensor.detach() for name, tensor in tensors.items()}
 
+    def payload_view(self, slot_idx: int) -> memoryview:
+        """The payload bytes of a slot (what :class:`~distill.pipeline.loans.SlotLoans` lends)."""
+        return self.medium.slot_view(slot_idx)[HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
+
     def fill_number(self, slot_idx: int) -> int:
         """The pool's consecutive number of the fill a slot holds (request ids are random)."""
         return self.slots.records[slot_idx].fill

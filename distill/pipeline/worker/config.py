@@ -49,8 +49,9 @@ class WorkerConfig:
     """The broker's broadcasts (default: ``default_endpoint("control_pub")``)."""
     worker_id: int | str | None = None
     """Names the worker in its peer id and logs (default: the process id)."""
-    max_batch: int = 32
-    """Slots per call of the sample function (WORKs waiting are batched up to it)."""
+    max_batch: int | None = None
+    """Slots per call of the sample function (WORKs waiting are batched up to it); None:
+    chosen from the sample's bytes (``sizing.worker_batch``: 64 of 4 KiB, 1 of 4 MiB)."""
     prefetch_batches: int = 2
     """Batches of credit the worker asks for: ``max_batch * prefetch_batches`` slots."""
     checksum: bool = False
@@ -76,6 +77,8 @@ class WorkerConfig:
             raise ValueError(f"slot_size={self.slot_size}: must be >= 0")
         for name in ("max_batch", "prefetch_batches", "heartbeat_liveness"):
             value = getattr(self, name)
+            if value is None and name == "max_batch":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Worker {name}={value!r}: must be a positive integer")
         if not self.heartbeat_interval_s > 0:

@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from distill.pipeline import protocol
+from distill.pipeline import protocol, sizing
 from distill.pipeline.auth import secure_client
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
@@ -91,8 +91,8 @@ class Worker:
         self.control_pub_endpoint = cfg.control_pub_endpoint or default_endpoint("control_pub")
         self.worker_id = cfg.worker_id if cfg.worker_id is not None else os.getpid()
         self.peer_id = f"worker-{self.worker_id}-{os.urandom(3).hex()}"
-        self.max_batch = cfg.max_batch
-        self.capacity = cfg.max_batch * cfg.prefetch_batches
+        self.max_batch = cfg.max_batch if cfg.max_batch is not None else self._chosen_batch()
+        self.capacity = self.max_batch * cfg.prefetch_batches
         self._keys = cfg.curve.client_keys() if cfg.curve is not None else None  # checked here, not in run()
         self._generation: dict[str, int] = {}
         self._model_id: str | None = None
@@ -117,6 +117,14 @@ class Worker:
         self._heart: Heartbeater | None = None
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], Failures, Deferred] | None = None
+
+    def _chosen_batch(self) -> int:
+        """``max_batch`` left out: a byte budget of samples per call (``sizing.py``)."""
+        chosen = sizing.worker_batch(self.slot_size)
+        sizing.log_choice("Worker", "max_batch", chosen, self.slot_size,
+                          f"{sizing.WORKER_BATCH_BYTES >> 10} KiB of samples per call, at most "
+                          f"{sizing.MAX_WORKER_BATCH}")
+        return chosen
 
     # ------------------------------------------------------------------ public API
     @property

@@ -14,6 +14,7 @@ from distill.pipeline import Worker, WorkerConfig
 from distill.pipeline.liveness import new_writer_id, writer_alive
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.mediums.tcp import TcpSender
+from distill.pipeline.sizing import worker_batch
 from distill.pipeline.slot import HeaderTable, check_slot, slot_stride
 from distill.pipeline.worker import claims
 from distill.pipeline.worker.commit import Committer
@@ -35,7 +36,8 @@ def test_the_seed_readme_keywords_and_a_config_object_make_the_same_worker() -> 
     config = Worker(generate, config=WorkerConfig(slot_size=PAYLOAD, backend_endpoint="ipc:///x/b.sock",
                                                   control_pub_endpoint="ipc:///x/p.sock", worker_id=7))
     assert readme.config == config.config
-    assert readme.slot_size == PAYLOAD and readme.worker_id == 7 and readme.capacity == 64
+    assert readme.slot_size == PAYLOAD and readme.worker_id == 7
+    assert readme.max_batch == worker_batch(PAYLOAD) and readme.capacity == 2 * readme.max_batch  # chosen
     both = Worker(generate, config=WorkerConfig(slot_size=PAYLOAD, max_batch=4), max_batch=8)
     assert both.max_batch == 8 and both.slot_size == PAYLOAD  # keywords over the config object
 

@@ -1,0 +1,116 @@
+"""Defaults that depend on the sample size: a student's ring and a worker's batch.
+
+A bare slot count is the wrong unit: 16 slots are 64 KiB of 4 KiB samples (the ring
+runs dry between two notices) and 64 MiB of 4 MiB ones (every slot is cold in cache
+by the time it is read). So an argument left out (``slot_count=None``,
+``max_batch=None``) is chosen from the sample's bytes (``BatchConfig.nbytes()``) and
+the machine's last-level cache, and the choice is logged once per process at INFO:
+
+- the ring: ``RING_CACHE_FRACTION`` of the last-level cache, at most ``MAX_RING_BYTES``
+  (the cache is shared by every rank and DataLoader worker of the node), in slots,
+  between ``MIN_SLOTS`` and ``MAX_SLOTS``: 4 KiB samples get thousands of slots, so one
+  notice carries many; 4 MiB samples a few, still in cache when the student reads them
+  (a sample that crosses DRAM between the worker's write and the student's copy costs
+  about twice the memory traffic: ``docs/benchmarks.md``, "Direct requests by ring size");
+- a worker's batch: ``WORKER_BATCH_BYTES`` of samples per call of the sample function,
+  between 1 and ``MAX_WORKER_BATCH`` slots (small samples: the per-call cost is spread
+  over many; large samples: one at a time, so the student copies each slot while the
+  next one fills instead of waiting for a whole batch).
+
+Arguments given explicitly are used exactly as given.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+from distill.pipeline.batch import BatchConfig
+from distill.pipeline.slot import slot_stride
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+FALLBACK_CACHE_BYTES = 32 << 20
+"""The last-level cache assumed where neither sysfs nor ``sysconf`` says (a server's L3)."""
+RING_CACHE_FRACTION = 0.5
+"""A ring's share of the last-level cache: the student's batch and everything else the
+processes touch need the rest."""
+MAX_RING_BYTES = 16 << 20
+"""A ring's bytes at most, however large the cache says it is (measured best here: 8 MiB
+of 4 KiB samples, 32 MiB of 256 KiB, 12 MiB of 4 MiB; ``bench/pipeline.py``)."""
+MIN_SLOTS, MAX_SLOTS = 3, 4096
+"""At least one slot being filled, one being read and one ready; at most what a REQUEST
+carries comfortably."""
+WORKER_BATCH_BYTES = 1 << 20
+MAX_WORKER_BATCH = 64
+
+_logged: set[tuple[str, int, int]] = set()
+
+
+@functools.lru_cache(maxsize=4)
+def last_level_cache_bytes(cache_dir: Path = CACHE_DIR) -> int:
+    """The largest data or unified cache of CPU 0 (sysfs, then ``sysconf``, then
+    ``FALLBACK_CACHE_BYTES``)."""
+    sizes = []
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = _parse_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind in ("Data", "Unified") and size > 0:
+            sizes.append(size)
+    if sizes:
+        return max(sizes)
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if size > 0:
+            return size
+    return FALLBACK_CACHE_BYTES
+
+
+def _parse_size(text: str) -> int:
+    """sysfs cache sizes: ``"2048K"``, ``"32M"``, or plain bytes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def ring_slots(stride: int, cache_bytes: int | None = None) -> int:
+    """Slots for a student's ring of slots of ``stride`` bytes (header included)."""
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    budget = min(MAX_RING_BYTES, int(cache * RING_CACHE_FRACTION))
+    return max(MIN_SLOTS, min(MAX_SLOTS, budget // max(1, stride)))
+
+
+def worker_batch(sample_bytes: int) -> int:
+    """Slots per call of a worker's sample function, for samples of ``sample_bytes``."""
+    return max(1, min(MAX_WORKER_BATCH, WORKER_BATCH_BYTES // max(1, sample_bytes)))
+
+
+def chosen_slots(who: str, config: BatchConfig) -> int:
+    """``slot_count`` left out: the ring for samples of ``config``, logged once."""
+    stride = slot_stride(config.nbytes())
+    cache = last_level_cache_bytes()
+    chosen = ring_slots(stride, cache)
+    log_choice(who, "slot_count", chosen, config.nbytes(),
+               f"a ring of {chosen * stride / (1 << 20):.1f} MiB: {RING_CACHE_FRACTION:g} of the "
+               f"{cache >> 20} MiB last-level cache, at most {MAX_RING_BYTES >> 20} MiB, "
+               f"{MIN_SLOTS}-{MAX_SLOTS} slots")
+    return chosen
+
+
+def log_choice(who: str, what: str, value: int, sample_bytes: int, why: str) -> None:
+    """Say once per process (and per kind of choice and sample size) what was chosen."""
+    key = (f"{who}.{what}", value, sample_bytes)
+    if key in _logged:
+        return
+    _logged.add(key)
+    log.info("%s: %s=%d chosen for samples of %d bytes (%s); pass %s= to set it", who, what, value,
+             sample_bytes, why, what)

@@ -1,0 +1,86 @@
+"""The seed README's path with its default arguments delivers, exactly: a broker and a
+README worker (``generator_fn``, every default) as processes, the README's student
+(``StudentClient(slot_count=16)`` + ``DistillIterableDataset(slot_count=8)``, one sample
+per item). Small samples are copied out a chunk at a time; large ones are lent as views
+of their slots (``loans.py``): a lent sample must never change while it is held, a
+consumer that keeps more samples than the pool has slots must still get them all, and
+the DataLoader's batching must work on top. Figures: ``bench/pipeline.py --defaults``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from distill.pipeline import DistillIterableDataset, StudentClient
+from distill.pipeline.loans import LEND_MIN_BYTES
+from tests import peers
+
+pytestmark = pytest.mark.timeout(90)
+
+SLOTS = 8
+"""The README's dataset pool."""
+
+
+def _check(sample: dict[str, torch.Tensor], seen: set[tuple[int, int]]) -> None:
+    x = sample["x"]
+    writer, number = int(x[0]), int(x[1])
+    assert bool((x[1:] == number).all()), f"sample {number} of {writer} torn or overwritten"
+    assert (writer, number) not in seen, f"sample {number} of {writer} yielded twice"
+    seen.add((writer, number))
+
+
+@pytest.mark.parametrize("sample_bytes", [4 << 10, 256 << 10])
+def test_the_readme_path_delivers_exact_samples_and_lent_ones_stay_put(procs, endpoints, sample_bytes) -> None:
+    config = peers.readme_config(sample_bytes)
+    procs.start(peers.run_broker, endpoints, name="broker")
+    procs.start(peers.run_readme_worker, endpoints, sample_bytes, name="worker")
+    with StudentClient(student_rank=0, slot_count=16, batch_config=config, frontend_endpoint=endpoints["frontend"],
+                       control_endpoint=endpoints["control"],
+                       control_pub_endpoint=endpoints["control_pub"]) as client:
+        client.hello()
+        client.set_model("my_model")
+        dataset = DistillIterableDataset(student_rank=0, generation_value=client.generation_value,
+                                         slot_count=SLOTS, batch_config=config,
+                                         frontend_endpoint=endpoints["frontend"], timeout_s=30)
+        samples, seen = iter(dataset), set()
+        try:
+            held = [next(samples) for _ in range(SLOTS // 2)]  # as many as may be lent at once
+            copies = [sample["x"].clone() for sample in held]
+            for sample in held:
+                _check(sample, seen)
+            started = time.monotonic()
+            for _ in range(300):
+                _check(next(samples), seen)
+            assert time.monotonic() - started < 20
+            for sample, copy in zip(held, copies, strict=True):  # a lent slot is never refilled
+                assert torch.equal(sample["x"], copy)
+            hoard = [next(samples) for _ in range(3 * SLOTS)]  # more than the pool: copies past the limit
+            for sample in hoard:
+                _check(sample, seen)
+            def lent(group: list) -> list[bool]:
+                return [not s["x"].untyped_storage().resizable() for s in group]  # views of shared memory
+
+            # Large samples: the held ones are lent; with half the pool out on loan, copies.
+            assert lent(held) == [sample_bytes >= LEND_MIN_BYTES] * len(held)
+            assert not any(lent(hoard))
+            del held, hoard
+            loader = torch.utils.data.DataLoader(_Once(samples), batch_size=2 * SLOTS)
+            batch = next(iter(loader))  # the DataLoader's collate over one sample per item
+            assert batch["x"].shape == (2 * SLOTS, sample_bytes // 8)
+            for row in batch["x"]:
+                _check({"x": row}, seen)
+        finally:
+            samples.close()
+
+
+class _Once(torch.utils.data.IterableDataset):
+    """Hands an iterator already running to a DataLoader."""
+
+    def __init__(self, samples) -> None:
+        super().__init__()
+        self.samples = samples
+
+    def __iter__(self):
+        return self.samples
