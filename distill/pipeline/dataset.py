@@ -8,9 +8,12 @@ yield: nothing older than the newest generation is ever yielded.
 
 Two modes:
 
-- ``batch_size=None`` (the seed README's): yields one sample per item, copied out
-  of its slot (a slot is reused as soon as the next item is asked for, so a view
-  could not outlive it). Use the DataLoader's ``batch_size`` to batch.
+- ``batch_size=None`` (the seed README's): yields one sample per item. Every ready
+  slot, up to half the pool, is taken at once (one datagram each way per chunk, not per
+  sample). Samples under ``loans.LEND_MIN_BYTES`` are copied out a chunk at a time;
+  larger ones are lent: their tensors are views of the slot, which is asked for again
+  when the consumer has let go of them (past half the pool on loan, copies instead).
+  Use the DataLoader's ``batch_size`` to batch.
 - ``batch_size=B``: yields ready-made batches ``{name: Tensor[B, ...]}``; each
   sample is copied exactly once, from its slot into the batch (one
   ``index_select`` per tensor for all the slots that are ready). Each chunk of
@@ -36,7 +39,8 @@ pool filled it) and ``fill`` (the pool's consecutive number of that fill: reques
 are random) to every sample, so a consumer can check or filter them.
 
 Every setting is a field of :class:`DatasetConfig`, given as ``config=`` and/or as the
-keyword arguments of the seed README (and the others above).
+keyword arguments of the seed README (and the others above). ``slot_count`` may be left
+out: it is then chosen from the sample's bytes and the CPU cache (``sizing.py``).
 """
 
 from __future__ import annotations
@@ -224,8 +228,7 @@ class DistillIterableDataset(IterableDataset):
         while True:
             ready = self._next_many(pool, half)  # half a ring: the workers fill the other half meanwhile
             slots = [slot for slot, _, _ in ready]
-            chunk = self._new_batch(len(slots))
-            pool.gather(slots, self.batch_config, chunk, 0)
+            chunk = pool.take_out(slots, self.batch_config)
             fills = [pool.fill_number(slot) for slot in slots] if self.config.with_meta else None
             pool.release_many(slots)  # copied out: ask for them again before yielding any
             pool.flush()
@@ -268,9 +271,8 @@ class DistillIterableDataset(IterableDataset):
         return {"generation": torch.tensor(gen), "request_id": torch.tensor(req),
                 "source": torch.tensor(pool.source_id), "fill": torch.tensor(fill)}
 
-    def _new_batch(self, rows: int | None = None) -> dict[str, torch.Tensor]:
-        return {s.name: torch.empty((rows or self.batch_size, *s.shape), dtype=s.torch_dtype,
-                                    pin_memory=self.config.pin_memory)
+    def _new_batch(self) -> dict[str, torch.Tensor]:
+        return {s.name: torch.empty((self.batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=self.config.pin_memory)
                 for s in self.batch_config.specs}
 
     def _batches(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:

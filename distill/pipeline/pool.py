@@ -501,6 +501,10 @@ class SlotPool:
         """Copy the samples of ``slot_idxs`` into rows ``row...`` of the batch ``out``."""
         batch_config.gather(self._payload_rows, slot_idxs, out, row)
 
+    def take_out(self, slot_idxs: list[int], batch_config: BatchConfig) -> dict[str, torch.Tensor]:
+        """The samples of ``slot_idxs`` copied into fresh tensors ``{name: [len, *shape]}``."""
+        return batch_config.take(self._payload_rows, slot_idxs)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -87,3 +87,34 @@ def test_hydra_instantiate() -> None:
     config = instantiate(cfg.batch_config)
     assert isinstance(config, BatchConfig)
     assert config.get_spec("x").shape == (512, 768)
+
+
+def test_encode_makes_bytes_with_the_values_converted_and_checks_names_and_shapes() -> None:
+    config = BatchConfig([TensorSpec("h", (2, 3), "bfloat16"), TensorSpec("n", (4,), "int64"),
+                          TensorSpec("b", (2,), "bool"), TensorSpec("e", (0,), "float32")])
+    h, n, b = torch.randn(2, 3), torch.arange(4, dtype=torch.int32), torch.tensor([True, False])
+    data = config.encode(h=h, n=n, b=b, e=torch.empty(0))
+    written = bytearray(config.nbytes())
+    config.write(written, h=h, n=n, b=b, e=torch.empty(0))  # what write() makes, byte for byte
+    assert isinstance(data, bytes) and data == bytes(written)
+    with pytest.raises(ValueError, match="missing \\['e'\\]"):
+        config.encode(h=h, n=n, b=b)
+    with pytest.raises(ValueError, match="shape"):
+        config.encode(h=h.T, n=n, b=b, e=torch.empty(0))
+
+
+def test_take_copies_rows_into_fresh_batch_tensors_like_gather() -> None:
+    config = BatchConfig([TensorSpec("h", (2, 3), "bfloat16"), TensorSpec("n", (4,), "int64"),
+                          TensorSpec("e", (0,), "float32")])
+    rows = torch.zeros(5, config.nbytes() + 16, dtype=torch.uint8)  # wider rows, as slots are
+    for i in range(5):
+        encoded = config.encode(h=torch.full((2, 3), float(i)), n=torch.arange(4) + i, e=torch.empty(0))
+        rows[i, :config.nbytes()] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    taken = config.take(rows, [3, 1])
+    gathered = {s.name: torch.empty((2, *s.shape), dtype=s.torch_dtype) for s in config.specs}
+    config.gather(rows, [3, 1], gathered)
+    assert list(taken) == ["h", "n", "e"] and taken["e"].shape == (2, 0)
+    assert all(torch.equal(taken[name], gathered[name]) for name in gathered)
+    assert taken["n"][0].tolist() == [3, 4, 5, 6]
+    with pytest.raises(IndexError):
+        config.take(rows, [5])
