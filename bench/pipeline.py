@@ -43,10 +43,15 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   ``generator_fn`` returning each sample's bytes (``BatchConfig.encode``) and the
   Worker's default ``max_batch``, a ``StudentClient(slot_count=16)`` and a
   ``DistillIterableDataset(slot_count=8)`` without ``batch_size``, whose samples the
-  consumer copies one by one into the batch. Its table sets it beside the best tuned
-  pipeline cell of the same size and worker count: what a user who follows the README
-  gets, against what the tuned arguments give (issue 23 wants >= 0.9 at 256 KiB and
-  4 MiB).
+  consumer copies one by one into the batch (row ``README``). Row ``batch_fn``: the same
+  student with ``batch_fn`` workers (``fill_sample`` straight into the slots, default
+  ``max_batch``): the student's default path without the generator API's own copies
+  (encode, then the bytes into the slot). Rows ``ring chosen`` and ``batch_fn, ring``:
+  both with the dataset's ``slot_count`` left out, so distill chooses the ring from the
+  sample size and the CPU cache (``distill/pipeline/sizing.py``). Its table sets each
+  beside the best tuned pipeline cell of the same size and worker count: what a user who
+  follows the README gets, against what the tuned arguments give (issue 23 wants >= 0.9
+  at 256 KiB and 4 MiB, and >= 20x softs 0.1.2 at 4 KiB).
 - ``softs 0.1.2`` (``--defaults``, when ``softs`` is installed, e.g. ``pip install softs==0.1.2``
   in a throwaway venv; skipped with a line saying so otherwise): the seed's later
   release on the same terms, a softs ``Broker`` process, ``Supplier`` processes whose
@@ -672,19 +677,24 @@ README_CLIENT_SLOTS, README_DATASET_SLOTS = 16, 8
 """The slot counts of the README's student example."""
 
 
-DEFAULT_WORKERS = {"defaults (README)": run_default_worker, "defaults, batch_fn": run_default_batch_worker}
-"""The README's worker (``generator_fn``), and the same with ``batch_fn``."""
+DEFAULT_WORKERS = {"defaults (README)": (run_default_worker, README_DATASET_SLOTS),
+                   "defaults, batch_fn": (run_default_batch_worker, README_DATASET_SLOTS),
+                   "defaults, ring chosen": (run_default_worker, None),
+                   "defaults, batch_fn, ring": (run_default_batch_worker, None)}
+"""Each default row: its workers (the README's ``generator_fn``, or ``batch_fn``) and the
+dataset's ``slot_count`` (the README's 8, or None: left out, distill chooses the ring)."""
 
 
 def bench_defaults(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int) -> Iterator[Result]:
     """The README's path, every argument at its default, with 1 then 2 workers; then the
-    same student with ``batch_fn`` workers."""
-    for method, target in DEFAULT_WORKERS.items():
-        yield from _default_cells(size, seconds, endpoints, broker_pid, method, target)
+    same student with ``batch_fn`` workers; then both with the dataset's ``slot_count``
+    left out (the ring distill chooses)."""
+    for method, (target, slots) in DEFAULT_WORKERS.items():
+        yield from _default_cells(size, seconds, endpoints, broker_pid, method, target, slots)
 
 
 def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int, method: str,
-                   target: Callable) -> Iterator[Result]:
+                   target: Callable, slots: int | None) -> Iterator[Result]:
     config = sample_config(size.sample_bytes)
     batch = _batch(size)
     with Children() as kids:
@@ -696,7 +706,7 @@ def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker
                                endpoints["control_pub"]) as client:
                 client.hello()
                 client.set_model(f"defaults-{size.sample_bytes}-{count}-{len(method)}")
-                dataset = DistillIterableDataset(0, client.generation_value, README_DATASET_SLOTS, config,
+                dataset = DistillIterableDataset(0, client.generation_value, slots, config,
                                                  endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S)
                 samples = iter(dataset)
 
@@ -754,7 +764,7 @@ def print_defaults(results: list[Result], sizes: tuple[Size, ...]) -> None:
     """The README's defaults beside the best tuned pipeline cell, same size and workers."""
     print("\nout of the box: the README's API with default arguments / the best tuned pipeline cell "
           "(same size, same worker count, same run)")
-    print(f"{'size':<8} {'worker':<11} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9} "
+    print(f"{'size':<8} {'row':<15} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9} "
           f"{'softs/s':>10} {'/ softs':>8}  target")
     for size in sizes:
         memcpy = _best(results, size, "cold memcpy")
@@ -772,7 +782,7 @@ def print_defaults(results: list[Result], sizes: tuple[Size, ...]) -> None:
                 verdict = "-" if over_softs is None else f"/ softs >= 20: {'met' if over_softs >= 20 else 'MISSED'}"
             else:
                 verdict = "-" if ratio is None else f">= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}"
-            print(f"{size.label:<8} {method.removeprefix('defaults').strip(' (),') or '-':<11} {procs:>7} "
+            print(f"{size.label:<8} {method.removeprefix('defaults').strip(' (),') or '-':<15} {procs:>7} "
                   f"{defaults.rate:>12,.0f} {_fmt(tuned.rate if tuned else None, 0):>12} "
                   f"{_fmt(ratio):>8} {_fmt(defaults.rate / memcpy.rate if memcpy else None):>9} "
                   f"{_fmt(softs.rate if softs else None, 0):>10} {_fmt(over_softs, 1):>8}  {verdict}")
