@@ -84,3 +84,24 @@ class _Once(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         return self.samples
+
+
+def test_lent_samples_cross_a_dataloader_worker_intact(procs, endpoints) -> None:
+    """A DataLoader worker pickles each lent sample into shared memory (its loan then
+    ends): the batches the training process gets are exact, and the pool keeps cycling."""
+    sample_bytes = 256 << 10
+    config = peers.readme_config(sample_bytes)
+    procs.start(peers.run_broker, endpoints, name="broker")
+    procs.start(peers.run_readme_worker, endpoints, sample_bytes, name="worker")
+    with StudentClient(0, 2, config, endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"]) as client:
+        client.hello()
+        client.set_model("my_model")
+        dataset = DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
+                                         timeout_s=30)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+        seen: set[tuple[int, int]] = set()
+        for count, sample in enumerate(loader):
+            _check(sample, seen)
+            if count == 5 * SLOTS:
+                break
