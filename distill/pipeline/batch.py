@@ -132,17 +132,22 @@ class BatchConfig:
     def encode(self, **tensors: torch.Tensor) -> bytes:
         """Pack the named tensors into new ``bytes`` with one copy: ``bytes.join`` over the
         tensors' own bytes (a zeroed buffer written and then copied into ``bytes`` cost a
-        README worker two more passes over every sample: 4 MiB samples, 3x the fill)."""
-        self._check_names(tensors, "encode")
+        README worker two more passes over every sample: 4 MiB samples, 3x the fill), and
+        no conversion call for a tensor that is already a contiguous CPU tensor of its
+        spec's dtype (4 KiB samples: 4.4 us a sample against 6.7 us before, loaded machine)."""
+        if tensors.keys() != self._shapes.keys():
+            self._check_names(tensors, "encode")
+        for name, shape in self._shapes.items():
+            if tensors[name].shape != shape:
+                raise ValueError(f"tensor {name!r}: shape {tuple(tensors[name].shape)} != spec {shape}")
         parts = []
-        for spec in self.specs:
-            src = tensors[spec.name]
-            if tuple(src.shape) != spec.shape:
-                raise ValueError(f"tensor {spec.name!r}: shape {tuple(src.shape)} != spec {spec.shape}")
-            if spec.nbytes:
-                flat = src.detach().to("cpu", spec.torch_dtype).contiguous().view(-1)
-                parts.append(memoryview(flat.view(torch.uint8).numpy()))
-        return b"".join(parts)
+        for name, _, _, dtype in self._layout:
+            src = tensors[name]
+            if src.dtype is not dtype or src.requires_grad or src.device.type != "cpu" or not src.is_contiguous():
+                src = src.detach().to("cpu", dtype).contiguous()
+            flat = src.reshape(-1)
+            parts.append((flat if dtype.itemsize == 1 else flat.view(torch.uint8)).numpy())
+        return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 
     def _check_names(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
         missing = {s.name for s in self.specs} - set(tensors)
