@@ -44,7 +44,9 @@ of 4 KiB samples, 32 MiB of 256 KiB, 12 MiB of 4 MiB; ``bench/pipeline.py``)."""
 MIN_SLOTS, MAX_SLOTS = 3, 4096
 """At least one slot being filled, one being read and one ready; at most what a REQUEST
 carries comfortably."""
-WORKER_BATCH_BYTES = 1 << 20
+WORKER_BATCH_BYTES = 4 << 20
+"""Samples per call of a worker's sample function, in bytes (the tuned cells of
+``bench/pipeline.py``: 32 slots of 256 KiB, 1 of 4 MiB)."""
 MAX_WORKER_BATCH = 64
 
 _logged: set[tuple[str, int, int]] = set()

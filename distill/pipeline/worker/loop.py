@@ -122,7 +122,7 @@ class Worker:
         """``max_batch`` left out: a byte budget of samples per call (``sizing.py``)."""
         chosen = sizing.worker_batch(self.slot_size)
         sizing.log_choice("Worker", "max_batch", chosen, self.slot_size,
-                          f"{sizing.WORKER_BATCH_BYTES >> 10} KiB of samples per call, at most "
+                          f"{sizing.WORKER_BATCH_BYTES >> 20} MiB of samples per call, at most "
                           f"{sizing.MAX_WORKER_BATCH}")
         return chosen
 

@@ -64,7 +64,7 @@ def test_a_larger_sample_never_gets_a_larger_ring_in_bytes_past_the_minimum() ->
         assert sizing.ring_slots(stride, 32 * MIB) * stride <= sizing.MAX_RING_BYTES
 
 
-@pytest.mark.parametrize(("sample", "batch"), [(4 * KIB, 64), (256 * KIB, 4), (MIB, 1), (4 * MIB, 1), (0, 64)])
+@pytest.mark.parametrize(("sample", "batch"), [(4 * KIB, 64), (256 * KIB, 16), (MIB, 4), (4 * MIB, 1), (0, 64)])
 def test_the_worker_batch_is_a_byte_budget(sample: int, batch: int) -> None:
     assert sizing.worker_batch(sample) == batch
 
