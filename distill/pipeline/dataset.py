@@ -262,8 +262,8 @@ class DistillIterableDataset(IterableDataset):
                     sample.update(self._meta(pool, gen, req, fill))
                 yield sample
                 del sample  # ours no longer: its loan ends when the consumer lets go
-                pool.release_many(loans.returned())
-                if len(pool.slots.to_send) >= pool.request_batch:
+                if loans.waiting() >= pool.request_batch:  # asked for in groups: one ask, one datagram
+                    pool.release_many(loans.returned())
                     pool.flush()
 
     @staticmethod

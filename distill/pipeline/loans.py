@@ -61,6 +61,10 @@ class SlotLoans:
                        if nbytes else torch.empty(shape, dtype=dtype))
                 for name, offset, nbytes, dtype, shape in self._layout}
 
+    def waiting(self) -> int:
+        """Slots whose loans ended and that :meth:`returned` has not handed back yet."""
+        return len(self._back)
+
     def returned(self) -> list[int]:
         """The slots whose loans ended since the last call (each once)."""
         back = []
