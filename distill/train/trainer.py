@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +39,7 @@ from distill.train.stages import Stage
 from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.train.timing import timed
 from distill.train.transfer import BackgroundBatches, DevicePrefetcher
-from distill.train.transport import stage_dataset
+from distill.train.transport import ADD_WORKER_SCRIPT, stage_dataset
 from distill.train.validation import BestWeights, LayerValidation, Validation
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,39 @@ def data_supply(wait_s: float, step_s: float, samples: int, startup_wait_s: floa
             "delivered_samples_per_s": samples / step_s if step_s > 0 else 0.0,
             "needed_samples_per_s": samples / compute_s,
             "startup_wait_s": startup_wait_s}
+
+
+class WorkersSeen:
+    """The fewest and most live teacher workers the broker reported while a stage trained.
+
+    Why: a stage's delivered samples/s means little without how many teachers delivered them;
+    with both, the teacher-bound advice can say how many more would close the gap, and a stage
+    trained after a worker joined can be told from one that trained before.
+    """
+
+    def __init__(self) -> None:
+        self.fewest: int | None = None
+        self.most: int | None = None
+
+    def note(self, workers: int | None) -> None:
+        if workers is None:  # the broker has not answered a heartbeat yet
+            return
+        self.fewest = workers if self.fewest is None else min(self.fewest, workers)
+        self.most = workers if self.most is None else max(self.most, workers)
+
+    def record(self) -> dict[str, int | None]:
+        return {"workers_min": self.fewest, "workers_max": self.most}
+
+
+def workers_short(supply: dict[str, float | int | None]) -> int | None:
+    """How many more workers, each as fast as the stage's own were on average, would have
+    delivered what the students needed (None: the number of workers is not known)."""
+    workers = supply.get("workers_max")
+    delivered = supply["delivered_samples_per_s"]
+    if not workers or delivered <= 0:
+        return None
+    per_worker = delivered / workers
+    return max(math.ceil(supply["needed_samples_per_s"] / per_worker - 1e-9) - workers, 1)
 
 
 def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -183,6 +217,8 @@ class StageTrainer:
         self.model.train()
         steps_done, stopped = self.start_step, stop_reason(self._planned_cfg, total)
         val, validated_at = Validation(), None
+        workers = WorkersSeen()
+        workers.note(self.ctx.client.live_workers)
         if self.validate_at_start and self.start_step == 0:
             val, validated_at = self._timed_validate(0), 0
         for step in range(self.start_step, total):
@@ -204,6 +240,7 @@ class StageTrainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             compute_s += time.monotonic() - step_started
+            workers.note(self.ctx.client.live_workers)
             bar.update(1)
             done = steps_done = step + 1
             if done % self.scfg.log_every_steps == 0 or done == total:
@@ -218,7 +255,8 @@ class StageTrainer:
                 with timed(self.ctx.timings, "checkpoint_s"):
                     self.save_checkpoint(done)
         bar.close()
-        supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
+        supply = {**data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s),
+                  **workers.record()}
         self._report_starvation(supply)
         if validated_at != steps_done:
             val = self._timed_validate(steps_done)
@@ -299,12 +337,7 @@ class StageTrainer:
             log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
                      self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
             return
-        log.warning("stage %d was teacher-bound: students waited %.0f%% of their steps for data; "
-                    "they needed %.0f samples/s, the teachers delivered %.0f (%.2fx short); add teacher "
-                    "workers (local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
-                    self.stage.index, 100 * supply["wait_fraction"], supply["needed_samples_per_s"],
-                    supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
-                    / max(supply["delivered_samples_per_s"], 1e-9))
+        log.warning("%s", teacher_bound_advice(self.stage.index, supply, self.ctx.out_dir / ADD_WORKER_SCRIPT))
 
     @torch.no_grad()
     def validate(self, step: int) -> Validation:
@@ -353,6 +386,25 @@ class StageTrainer:
             self._background = None
         self._loader_iter = None  # shuts DataLoader workers down; their pools unlink
         self.loader = None
+
+
+def teacher_bound_advice(stage: int, supply: dict[str, float | int | None], add_worker: Path) -> str:
+    """What the log says of a teacher-bound stage: the figures it rests on (the stage's
+    ``stage_end`` record in metrics.jsonl, named), and what would help, by how much.
+
+    More workers help in proportion while each brings a device of its own (a GPU teacher);
+    ``bench/scaling.py --app`` measures it through this application. ``add_worker``: the
+    running job's script that adds one (mode=local), named when it exists."""
+    delivered, needed = supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
+    workers, more = supply.get("workers_max"), workers_short(supply)
+    fed = (f" by {workers} worker(s), {delivered / workers:.0f} samples/s each" if workers else "")
+    how = f"about {more} more worker(s) (each on a device of its own)" if more else "more teacher workers"
+    where = f"sh {add_worker} adds one to this running job, " if add_worker.exists() else ""
+    return (f"stage {stage} was teacher-bound: students waited {100 * supply['wait_fraction']:.0f}% of their "
+            f"steps for data; they needed {needed:.0f} samples/s, the teachers delivered {delivered:.0f}{fed} "
+            f"({needed / max(delivered, 1e-9):.2f}x short; stage_end in metrics.jsonl: wait_fraction, "
+            f"needed_samples_per_s, delivered_samples_per_s, workers_max). To close the gap: {how}; "
+            f"{where}local.num_workers or more mode=worker next time; or raise pipeline.worker_max_batch")
 
 
 def _progress_name(stage: Stage) -> str:
