@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -337,7 +338,10 @@ class StageTrainer:
             log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
                      self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
             return
-        log.warning("%s", teacher_bound_advice(self.stage.index, supply, self.ctx.out_dir / ADD_WORKER_SCRIPT))
+        pipeline = self.ctx.cfg.pipeline
+        slots = Slots(pipeline.slot_count, self.ctx.world_size * max(1, self.scfg.loader_workers),
+                      pipeline.worker_max_batch)
+        log.warning("%s", teacher_bound_advice(self.stage.index, supply, self.ctx.out_dir / ADD_WORKER_SCRIPT, slots))
 
     @torch.no_grad()
     def validate(self, step: int) -> Validation:
@@ -388,23 +392,47 @@ class StageTrainer:
         self.loader = None
 
 
-def teacher_bound_advice(stage: int, supply: dict[str, float | int | None], add_worker: Path) -> str:
+@dataclass(frozen=True)
+class Slots:
+    """The students' slots, as the advice weighs them against the workers' batches."""
+
+    per_consumer: int
+    """``pipeline.slot_count``: slots of each consumer process."""
+    consumers: int
+    """Consumer processes of the run: ranks x loader workers (the training process when none)."""
+    worker_max_batch: int
+
+    def for_full_batches(self, workers: int) -> int | None:
+        """``pipeline.slot_count`` at which ``workers`` can all run full batches at once (None:
+        it already can). Each worker fills its share of the slots, so with fewer slots than
+        workers x batch the workers run partial batches, and a GPU teacher's batch takes about
+        as long half full: more workers would then split the same slots, not add samples."""
+        needed = math.ceil(workers * self.worker_max_batch / self.consumers)
+        return needed if needed > self.per_consumer else None
+
+
+def teacher_bound_advice(stage: int, supply: dict[str, float | int | None], add_worker: Path,
+                         slots: Slots | None = None) -> str:
     """What the log says of a teacher-bound stage: the figures it rests on (the stage's
     ``stage_end`` record in metrics.jsonl, named), and what would help, by how much.
 
-    More workers help in proportion while each brings a device of its own (a GPU teacher);
-    ``bench/scaling.py --app`` measures it through this application. ``add_worker``: the
-    running job's script that adds one (mode=local), named when it exists."""
+    More workers help in proportion while each brings a device of its own (a GPU teacher)
+    and has slots enough for full batches; ``bench/scaling.py --app`` measures it through this
+    application. ``add_worker``: the running job's script that adds one (mode=local), named
+    when it exists."""
     delivered, needed = supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
     workers, more = supply.get("workers_max"), workers_short(supply)
     fed = (f" by {workers} worker(s), {delivered / workers:.0f} samples/s each" if workers else "")
     how = f"about {more} more worker(s) (each on a device of its own)" if more else "more teacher workers"
     where = f"sh {add_worker} adds one to this running job, " if add_worker.exists() else ""
+    slot_count = slots.for_full_batches(workers + more) if slots is not None and workers and more else None
+    fill = (f"; with pipeline.slot_count >= {slot_count} (now {slots.per_consumer}), or the new workers run "
+            f"partial batches" if slot_count else "")
     return (f"stage {stage} was teacher-bound: students waited {100 * supply['wait_fraction']:.0f}% of their "
             f"steps for data; they needed {needed:.0f} samples/s, the teachers delivered {delivered:.0f}{fed} "
             f"({needed / max(delivered, 1e-9):.2f}x short; stage_end in metrics.jsonl: wait_fraction, "
             f"needed_samples_per_s, delivered_samples_per_s, workers_max). To close the gap: {how}; "
-            f"{where}local.num_workers or more mode=worker next time; or raise pipeline.worker_max_batch")
+            f"{where}local.num_workers or more mode=worker next time{fill}; or raise pipeline.worker_max_batch")
 
 
 def _progress_name(stage: Stage) -> str:

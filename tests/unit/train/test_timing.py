@@ -19,7 +19,7 @@ from distill.train.timing import (
     time_split,
     timed,
 )
-from distill.train.trainer import WorkersSeen, data_supply, teacher_bound_advice
+from distill.train.trainer import Slots, WorkersSeen, data_supply, teacher_bound_advice
 from distill.train.transfer import DeviceToSlots
 
 
@@ -55,6 +55,11 @@ def test_the_teacher_bound_advice_names_its_figures_and_how_many_workers_would_h
     two = {**data_supply(wait_s=6.15, step_s=10.0, samples=1000), "workers_min": 1, "workers_max": 2}
     advice = teacher_bound_advice(3, two, script)
     assert "about 4 more worker(s)" in advice and f"sh {script} adds one to this running job" in advice
+    assert "slot_count" not in advice  # no slots given: nothing said of them
+    # 6 workers x batches of 8 need 48 slots: 32 on one rank are short, 2 ranks x 32 are not
+    short = teacher_bound_advice(3, two, script, Slots(32, 1, 8))
+    assert "with pipeline.slot_count >= 48 (now 32), or the new workers run partial batches" in short
+    assert "slot_count" not in teacher_bound_advice(3, two, script, Slots(32, 2, 8))
     unknown = teacher_bound_advice(1, {**two, "workers_max": None}, script)
     assert "more teacher workers" in unknown and "samples/s each" not in unknown
 
