@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill.train.supply import Slots, WorkersSeen, data_supply, teacher_bound_advice
 from distill.train.timing import (
     STUDENT_PHASES,
     TimedBatchFn,
@@ -19,7 +20,6 @@ from distill.train.timing import (
     time_split,
     timed,
 )
-from distill.train.trainer import Slots, WorkersSeen, data_supply, teacher_bound_advice
 from distill.train.transfer import DeviceToSlots
 
 
