@@ -19,12 +19,19 @@ samples delivered over ``--seconds``. ``ideal`` is N x the one-worker rate of th
 run; ``ratio`` = delivered / ideal, and ``per worker`` how many samples each worker
 process wrote in the window (its share; a worker that idles shows 0).
 
+``--app`` asks the same of the application instead (``bench/scaling_app.py``): jobs of
+``python -m distill mode=local local.num_workers=N teacher.sleep_per_batch_s=0.05`` that
+train, N = ``--app-workers``, and one job to which a worker is added (its ``add_worker.sh``)
+and from which it is removed between stages, 1 -> 2 -> 1; the figures are each stage's
+``stage_end`` in the job's ``metrics.jsonl``.
+
 Run it from the repository root::
 
     flock /tmp/distill-cpu.lock python bench/scaling.py                 # about 1 minute
     flock /tmp/distill-cpu.lock python bench/scaling.py --students 2
     flock /tmp/distill-cpu.lock python bench/scaling.py --per-sample --delay-ms 10 --max-batch 32 --slots 64
     python bench/scaling.py --quick                                     # smoke run
+    flock /tmp/distill-cpu.lock python bench/scaling.py --app           # about 5 minutes
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import scaling_app  # bench/scaling_app.py
 import torch
 from children import SPAWN, Children, child_init, run_broker  # bench/children.py
 
@@ -153,7 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="measuring window per phase (default 4, quick 1.5)")
     parser.add_argument("--settle", type=float, default=2.0, help="wait after each change of workers")
     parser.add_argument("--quick", action="store_true", help="short windows, phases 1 and 2 only")
+    app = parser.add_argument_group("the application (--app)")
+    app.add_argument("--app", action="store_true", help="measure mode=local jobs instead of the library")
+    app.add_argument("--app-workers", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8],
+                     help="local.num_workers of each job (comma-separated)")
+    app.add_argument("--app-layers", type=int, default=3, help="layer stages of each job")
+    app.add_argument("--app-steps", type=int, default=150, help="student.steps_per_stage (8 samples a step)")
+    app.add_argument("--app-mid-layers", type=int, default=6,
+                     help="layer stages of the job whose workers change mid-run (0: no such job)")
+    app.add_argument("--app-slots", type=int, default=None, help="pipeline.slot_count (default: the app's)")
+    app.add_argument("--app-cache", default=None, help="tiny-teacher cache (default: one in the work dir)")
     args = parser.parse_args(argv)
+    if args.app:
+        return _run_app(args)
     seconds = args.seconds or (1.5 if args.quick else 4.0)
     phases = PHASES[:2] if args.quick else PHASES
     torch.set_num_threads(1)
@@ -179,6 +199,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
     _print_table(results, args, seconds, load_before, time.perf_counter() - started)
+    return 0
+
+
+def _run_app(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.app_workers, args.app_layers, args.app_steps, args.app_mid_layers = [1, 2], 2, 40, 0
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    try:
+        results, midrun = scaling_app.run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: jobs stopped", file=sys.stderr)
+        return 130
+    print(f"distill scaling benchmark, the application: {os.cpu_count()} CPUs; load average {load_before:.1f} "
+          f"before, {os.getloadavg()[0]:.1f} after; total {time.perf_counter() - started:.0f} s")
+    scaling_app.print_tables(results, midrun, args)
+    best = 1000 / args.delay_ms * args.max_batch
+    print(f"\ntheoretical one-worker rate {best:.0f} samples/s")
     return 0
 
 

@@ -136,6 +136,12 @@ class TeacherConfig:
     tiny: TinyConfig = field(default_factory=TinyConfig)
     cache_dir: str | None = None
     """Where the tiny teacher is cached; null = $DISTILL_CACHE or ~/.cache/distill."""
+    sleep_per_batch_s: float = 0.0
+    """A synthetic slow teacher, for scale tests and benchmarks on machines without GPUs: every
+    worker batch takes at least this many seconds, the worker sleeping what its forward did not
+    take, as a GPU teacher's forward costs the host no CPU (one worker then delivers
+    ``pipeline.worker_max_batch / sleep_per_batch_s`` samples/s at most; docs/benchmarks.md,
+    "Scaling with workers"). The samples are the teacher's own. 0 = off."""
 
 
 @dataclass

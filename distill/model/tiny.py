@@ -345,24 +345,8 @@ def _pretrain(
         recipe.train_steps, recipe.batch_size, recipe.seq_len, torch.get_num_threads(),
         loss_before, math.exp(loss_before),
     )
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
-    start_s, start_cpu_s = time.perf_counter(), time.process_time()
-    model.train()
-    for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
-        loss = _lm_loss(model, batch_BT)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
-            log.info("step %d/%d train loss %.3f (%.1f s)", step, recipe.train_steps,
-                     loss.item(), time.perf_counter() - start_s)
-    train_s, train_cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
-    model.eval()
+    train_s, train_cpu_s = _train_loop(model, train_NT, recipe, lambda batch_BT: _lm_loss(model, batch_BT),
+                                       betas=(0.9, 0.95), weight_decay=0.1, what="train loss")
     loss_after = heldout_loss(model, heldout_NT)
     log.info("held-out loss %.3f (ppl %.1f) after %.1f s of pre-training",
              loss_after, math.exp(loss_after), train_s)
@@ -376,6 +360,30 @@ def _pretrain(
         "num_train_chunks": len(train_NT),
         "num_heldout_chunks": len(heldout_NT),
     }
+
+
+def _train_loop(model: torch.nn.Module, train_NT: torch.Tensor, recipe: TinyRecipe | TinyBertRecipe,
+                loss_of: Callable[[torch.Tensor], torch.Tensor], *, betas: tuple[float, float],
+                weight_decay: float, what: str) -> tuple[float, float]:
+    """AdamW with warmup + cosine decay over ``recipe.train_steps`` random train batches, the
+    one loop both tiny teachers pre-train with (they differ in their loss and AdamW settings);
+    leaves ``model`` in eval mode and returns the wall and CPU seconds it took."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=betas, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
+    model.train()
+    for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
+        loss = loss_of(batch_BT)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
+            log.info("step %d/%d %s %.3f (%.1f s)", step, recipe.train_steps, what,
+                     loss.item(), time.perf_counter() - start_s)
+    model.eval()
+    return time.perf_counter() - start_s, time.process_time() - start_cpu_s
 
 
 def _lr_lambda(total_steps: int):
@@ -494,25 +502,15 @@ def _pretrain_mlm(
     loss_before = heldout_mlm_loss(model, heldout_NT, mask_id, recipe.mask_prob)
     log.info("pre-training tiny BERT (masked LM): %d steps x %d chunks of %d tokens; held-out "
              "loss %.3f before", recipe.train_steps, recipe.batch_size, recipe.seq_len, loss_before)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
     generator = torch.Generator().manual_seed(recipe.seed + 1)
-    start_s, start_cpu_s = time.perf_counter(), time.process_time()
-    model.train()
-    for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
+
+    def masked_lm_loss(batch_BT: torch.Tensor) -> torch.Tensor:
         inputs_BT, labels_BT = mask_tokens(batch_BT, mask_id, model.config.vocab_size,
                                            recipe.mask_prob, generator)
-        loss = model(input_ids=inputs_BT, labels=labels_BT).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
-            log.info("step %d/%d masked-LM loss %.3f (%.1f s)", step, recipe.train_steps,
-                     loss.item(), time.perf_counter() - start_s)
-    train_s, train_cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
-    model.eval()
+        return model(input_ids=inputs_BT, labels=labels_BT).loss
+
+    train_s, train_cpu_s = _train_loop(model, train_NT, recipe, masked_lm_loss,
+                                       betas=(0.9, 0.98), weight_decay=0.01, what="masked-LM loss")
     loss_after = heldout_mlm_loss(model, heldout_NT, mask_id, recipe.mask_prob)
     log.info("held-out masked-LM loss %.3f after %.1f s of pre-training", loss_after, train_s)
     return {

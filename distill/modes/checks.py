@@ -24,6 +24,10 @@ from distill.train.sizing import DTYPE_BYTES, ModelShape, e2e_rank_floor, shm_by
 from distill.train.stages import max_positions, stage_layout
 from distill.train.transport import curve_config
 
+MAX_SLEEP_PER_BATCH_S = 60.0
+"""Longest synthetic teacher batch (``teacher.sleep_per_batch_s``): beyond it a typo (ms for s)
+would stall the run for hours before anyone noticed."""
+
 
 def check_config(cfg: DictConfig) -> None:
     """Fail fast, before any process starts, on settings that cannot work."""
@@ -61,6 +65,11 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key in ("steps_per_stage", "micro_batch_size", "grad_accum_steps"):
         if cfg.student[key] < 1:
             raise ValueError(f"student.{key}={cfg.student[key]} must be >= 1")
+    sleep_s = cfg.teacher.get("sleep_per_batch_s", 0.0)
+    if not (0 <= sleep_s <= MAX_SLEEP_PER_BATCH_S):  # NaN fails too
+        raise ValueError(f"teacher.sleep_per_batch_s={sleep_s} must be between 0 (off) and "
+                         f"{MAX_SLEEP_PER_BATCH_S:g} seconds: it is how long each teacher batch takes at least "
+                         "(a synthetic slow teacher)")
 
 
 def _check_quality_settings(cfg: DictConfig) -> None:

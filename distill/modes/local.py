@@ -3,7 +3,10 @@
 The children are the same commands a user would start by hand (``python -m distill
 mode=broker``, ``mode=worker``, ``torchrun ... mode=student``) with this job's
 overrides plus a run id, a private socket directory and this job's run directory,
-so a sweep's jobs never share sockets or shared memory. The supervisor waits for
+so a sweep's jobs never share sockets or shared memory. While the job runs, its run
+directory holds ``add_worker.sh``: the same worker command, so more teachers can join
+the running job (``sh <run dir>/add_worker.sh device.worker_gpu=3``; they get work
+within a heartbeat, and stop with the job). The supervisor waits for
 the students; on success, Ctrl-C, SIGTERM, or any child dying, it stops every
 child, and the kernel stops them too if the supervisor itself is killed
 (PR_SET_PDEATHSIG).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -39,7 +43,7 @@ from distill.pipeline.protocol import Command
 from distill.results.record import add_time_split, read_result
 from distill.results.report import append_section
 from distill.train.timing import cpu_seconds, format_time_split, read_teacher_times, time_split
-from distill.train.transport import curve_config, endpoints
+from distill.train.transport import ADD_WORKER_SCRIPT, curve_config, endpoints
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +79,10 @@ def run_local(cfg: DictConfig) -> None:
         if placement.student_gpus else []
     children: list[Child] = []
     started = time.monotonic()
+    add_worker = out / ADD_WORKER_SCRIPT
     try:
         children.append(_spawn("broker", ["mode=broker", *common, "hydra.job.name=broker"], out))
+        _write_add_worker(add_worker, common)
         for i in range(cfg.local.num_workers):
             children.append(_spawn(f"worker{i}", ["mode=worker", *common, f"hydra.job.name=worker{i}"], out))
         children.append(_spawn("students", ["mode=student", *common, *student_gpus, "hydra.job.name=student"],
@@ -85,6 +91,7 @@ def run_local(cfg: DictConfig) -> None:
         _report_time_split(out, children[0], time.monotonic() - started, cfg.local.num_workers)
         log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)
     finally:
+        add_worker.unlink(missing_ok=True)  # the job's sockets go now
         control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
                    else default_endpoint("control", socket_dir))
         _stop_all(children, control, curve_config(cfg))
@@ -92,11 +99,28 @@ def run_local(cfg: DictConfig) -> None:
         sweep_orphans(min_age_s=0)
 
 
+def _write_add_worker(path: Path, common: list[str]) -> None:
+    """Write the command that adds a teacher worker to this running job, and log it.
+
+    Why a file: the job's sockets are in a private directory named at random, and a worker
+    must compute the stages the students train from the same settings, so the one command
+    that joins is this job's own worker command. Extra overrides (a GPU) are appended;
+    Hydra takes the last value of a key. The worker writes its teacher time into the run
+    directory like the job's own workers, so the run's time split counts it."""
+    command = [sys.executable, "-m", "distill", "mode=worker", *common, "hydra.job.name=worker_added"]
+    path.write_text("#!/bin/sh\n# Adds a teacher worker to this running job (it stops with the job):\n"
+                    f"#   sh {shlex.quote(str(path))} [overrides, e.g. device.worker_gpu=1]\n"
+                    f'OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" exec {shlex.join(command)} "$@"\n')
+    path.chmod(0o700)
+    log.info("add a teacher worker to this job: sh %s [overrides]", path)
+
+
 def _report_time_split(out: Path, broker: Child, wall_s: float, num_workers: int) -> None:
     """Log where the run's time went and add it to the results (see distill.train.timing)."""
     student = (read_result(out) or {}).get("timings", {})
-    rows = time_split(wall_s, student, read_teacher_times(out), cpu_seconds(broker.proc.pid))
-    table = format_time_split(rows, wall_s, num_workers)
+    teachers = read_teacher_times(out)  # the job's workers and any added to it
+    rows = time_split(wall_s, student, teachers, cpu_seconds(broker.proc.pid))
+    table = format_time_split(rows, wall_s, max(num_workers, len(teachers)))
     log.info("where the time went:\n%s", table)
     append_section(str(out), table)
     add_time_split(out, wall_s, rows)

@@ -16,7 +16,7 @@ from distill.model.sources import load_chunks, load_tokenizer, load_worker_teach
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
 from distill.train.stages import stage_layout
-from distill.train.targets import TeacherTargets, sample_seed
+from distill.train.targets import SleepingTeacher, TeacherTargets, sample_seed
 from distill.train.timing import TimedBatchFn, TimingWriter
 from distill.train.transport import worker_kwargs
 
@@ -29,7 +29,11 @@ def build_worker(cfg: DictConfig) -> Worker:
     chunks = load_chunks(cfg, load_tokenizer(cfg))
     _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
     targets = TeacherTargets(teacher, chunks.train_NT, sample_seed(cfg))
-    timed = TimedBatchFn(targets, copy_s=lambda: targets.to_slots.copy_s)
+    sleep_s = cfg.teacher.sleep_per_batch_s
+    if sleep_s > 0:
+        log.info("synthetic slow teacher: every batch takes at least %g s (teacher.sleep_per_batch_s)", sleep_s)
+    batch_fn = SleepingTeacher(targets, sleep_s) if sleep_s > 0 else targets
+    timed = TimedBatchFn(batch_fn, copy_s=lambda: targets.to_slots.copy_s)
     return Worker(batch_fn=timed, batch_config=batch_config, **worker_kwargs(cfg))
 
 

@@ -145,6 +145,12 @@ class StudentClient:
     def generation(self) -> int:
         return self.generation_value.value
 
+    @property
+    def live_workers(self) -> int | None:
+        """How many live workers the broker had at its last heartbeat answer (None: not told
+        yet): how many teachers are feeding, beside what they deliver (a student's log)."""
+        return self._pool.heart.workers
+
     def _current_generation(self) -> int:
         return self.generation_value.value
 

@@ -59,6 +59,9 @@ FINGERPRINT_KEYS = ("teacher", "replacement", "data", "student")
 UNFINGERPRINTED_STUDENT_KEYS = ("loader_workers", "prefetch_batches", "log_every_steps", "checkpoint_every_steps")
 """How batches are fetched and how often progress is logged or saved: changing them
 must resume a run, not start a new one (they do not decide the trained weights)."""
+UNFINGERPRINTED_TEACHER_KEYS = ("sleep_per_batch_s",)
+"""The synthetic slow teacher's pace decides how fast samples come, not which: a run
+resumes across it, and fingerprints stay those of the runs before the key existed."""
 
 
 def config_fingerprint(cfg: DictConfig, source: str) -> str:
@@ -67,6 +70,8 @@ def config_fingerprint(cfg: DictConfig, source: str) -> str:
     keep = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FINGERPRINT_KEYS}
     for key in UNFINGERPRINTED_STUDENT_KEYS:
         keep["student"].pop(key, None)
+    for key in UNFINGERPRINTED_TEACHER_KEYS:
+        keep["teacher"].pop(key, None)
     keep["teacher_source"] = source
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
     target = str(cfg.replacement.get("_target_", "replacement")).rsplit(".", 1)[-1]

@@ -18,6 +18,7 @@ Shape legend: B batch, T tokens, D hidden size, V vocabulary, K top-k.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -73,6 +74,31 @@ class TeacherTargets:
         self.samples += len(targets)
         finish = self.to_slots.start(states, [target.tensors["hidden"] for target in targets])
         return finish if self.to_slots.cuda else None
+
+
+class SleepingTeacher:
+    """A synthetic slow teacher (``teacher.sleep_per_batch_s``): every batch takes at least
+    ``batch_s``, the worker sleeping what the wrapped teacher's forward did not take.
+
+    Why: "add teacher workers" is the advice for a teacher-bound run, and whether it holds is
+    measured on machines without GPUs. A GPU teacher's forward costs the host almost no CPU (it
+    waits on the device), so N of them run side by side; N CPU forwards would instead share the
+    cores with the students. Sleeping is what the host sees of a GPU forward. The samples are
+    the wrapped teacher's own, so the students train as usual.
+    """
+
+    def __init__(self, batch_fn: Callable, batch_s: float) -> None:
+        self.batch_fn = batch_fn
+        self.batch_s = batch_s
+
+    def __call__(self, model_id: str, model_cfg: dict | None,
+                 targets: list[SlotTarget]) -> Callable[[], None] | None:
+        started = time.perf_counter()
+        finish = self.batch_fn(model_id, model_cfg, targets)
+        left = self.batch_s - (time.perf_counter() - started)
+        if left > 0:
+            time.sleep(left)
+        return finish
 
 
 def _state_at(captured: dict[int, tuple[torch.Tensor, torch.Tensor]], position: int) -> torch.Tensor:

@@ -36,34 +36,19 @@ from distill.train.losses import layer_loss
 from distill.train.modules import build_stage_module, load_stage_replacements
 from distill.train.stages import Stage
 from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
+from distill.train.supply import (
+    STARVED_FRACTION,
+    Slots,
+    WorkersSeen,
+    data_supply,
+    teacher_bound_advice,
+)
 from distill.train.timing import timed
 from distill.train.transfer import BackgroundBatches, DevicePrefetcher
-from distill.train.transport import stage_dataset
+from distill.train.transport import ADD_WORKER_SCRIPT, stage_dataset
 from distill.train.validation import BestWeights, LayerValidation, Validation
 
 log = logging.getLogger(__name__)
-
-STARVED_FRACTION = 0.05
-"""Warn when students spend more than this share of their steps waiting for samples
-(the first batch of a stage, which waits for the teachers to switch, not counted)."""
-
-
-def data_supply(wait_s: float, step_s: float, samples: int, startup_wait_s: float = 0.0) -> dict[str, float]:
-    """How well the teachers fed a stage, from the student's clock.
-
-    ``step_s`` is the time of the training steps, waiting for data included;
-    ``samples`` those the steps consumed (all ranks). Delivered is what arrived per
-    second of steps; needed is what the students would have taken had they never
-    waited. Their ratio is how many times more teacher throughput the stage lacked.
-    The first batch of a stage (``startup_wait_s``: the teachers switching layers) is
-    reported apart, not as starvation.
-    """
-    compute_s = max(step_s - wait_s, 1e-9)
-    return {"wait_fraction": wait_s / step_s if step_s > 0 else 0.0,
-            "delivered_samples_per_s": samples / step_s if step_s > 0 else 0.0,
-            "needed_samples_per_s": samples / compute_s,
-            "startup_wait_s": startup_wait_s}
-
 
 def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
     if step < warmup:
@@ -183,6 +168,8 @@ class StageTrainer:
         self.model.train()
         steps_done, stopped = self.start_step, stop_reason(self._planned_cfg, total)
         val, validated_at = Validation(), None
+        workers = WorkersSeen()
+        workers.note(self.ctx.client.live_workers)
         if self.validate_at_start and self.start_step == 0:
             val, validated_at = self._timed_validate(0), 0
         for step in range(self.start_step, total):
@@ -204,6 +191,7 @@ class StageTrainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             compute_s += time.monotonic() - step_started
+            workers.note(self.ctx.client.live_workers)
             bar.update(1)
             done = steps_done = step + 1
             if done % self.scfg.log_every_steps == 0 or done == total:
@@ -218,7 +206,8 @@ class StageTrainer:
                 with timed(self.ctx.timings, "checkpoint_s"):
                     self.save_checkpoint(done)
         bar.close()
-        supply = data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s)
+        supply = {**data_supply(wait_s, compute_s, samples * self.ctx.world_size, startup_wait_s),
+                  **workers.record()}
         self._report_starvation(supply)
         if validated_at != steps_done:
             val = self._timed_validate(steps_done)
@@ -299,12 +288,10 @@ class StageTrainer:
             log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
                      self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
             return
-        log.warning("stage %d was teacher-bound: students waited %.0f%% of their steps for data; "
-                    "they needed %.0f samples/s, the teachers delivered %.0f (%.2fx short); add teacher "
-                    "workers (local.num_workers / more mode=worker) or raise pipeline.worker_max_batch",
-                    self.stage.index, 100 * supply["wait_fraction"], supply["needed_samples_per_s"],
-                    supply["delivered_samples_per_s"], supply["needed_samples_per_s"]
-                    / max(supply["delivered_samples_per_s"], 1e-9))
+        pipeline = self.ctx.cfg.pipeline
+        slots = Slots(pipeline.slot_count, self.ctx.world_size * max(1, self.scfg.loader_workers),
+                      pipeline.worker_max_batch)
+        log.warning("%s", teacher_bound_advice(self.stage.index, supply, self.ctx.out_dir / ADD_WORKER_SCRIPT, slots))
 
     @torch.no_grad()
     def validate(self, step: int) -> Validation:

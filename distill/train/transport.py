@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RUN_ID = "default"
 
+ADD_WORKER_SCRIPT = "add_worker.sh"
+"""In a mode=local job's run directory while it runs: the command that adds one more teacher
+worker to it (written by distill.modes.local, named by the student's teacher-bound advice)."""
+
 BROKER_LIMITS = ("max_queued", "max_queued_per_student", "max_students", "max_workers", "max_runs")
 """The broker's back-pressure limits, ``pipeline.<name>``, passed under the same names."""
 

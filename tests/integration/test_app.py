@@ -145,6 +145,7 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     end-to-end stage on its final hidden state; per-layer scores come before and after it."""
     overrides = [*_tiny(tmp_path, layers=2), "teacher=tiny_bert", "teacher.tiny.hidden_size=32",
                  "replacement=linear_attention", "run_id=e2ebert", "student.steps_per_stage=10",
+                 "local.num_workers=1", "local.num_students=1",  # 2 + 2 are the Llama test's
                  "student.layers_per_stage=2", "student.e2e.steps=6", "student.val_every_steps=3",
                  f"checkpoint_dir={tmp_path / 'ckpt'}"]
     result = _run(overrides, tmp_path / "run", tmp_path)
@@ -203,6 +204,7 @@ def _check_data_supply_and_time_split(run: Path, log: str) -> None:
 def test_local_tears_everything_down(tmp_path: Path, fault: str) -> None:
     marker = f"e2e{fault.replace('_', '')}"
     overrides = [*_tiny(tmp_path), f"run_id={marker}", "student.steps_per_stage=100000",
+                 "local.num_workers=1",  # one teacher is enough to kill; both DDP ranks must go
                  f"checkpoint_dir={tmp_path / 'ckpt'}"]
     proc = subprocess.Popen(_cmd(overrides, tmp_path / "run"), cwd=tmp_path, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -106,6 +106,9 @@ def test_a_stopping_worker_declines_what_it_holds_and_the_broker_gets_it(endpoin
             generation = client.set_model("stopping")
             seen: set[int] = set()
             _take(client, generation, seen, 40)  # every slot now has the slow worker's lane
+            deadline = time.monotonic() + 10  # its lane may come late to a loaded machine
+            while client._pool.counts["direct"] == 0 and time.monotonic() < deadline:
+                _take(client, generation, seen, 4)
             assert client._pool.counts["direct"] > 0
             second = _worker(endpoints)
             _take(client, generation, seen, 1)  # the slots are given back: DIRECTs queue at the slow one

@@ -8,6 +8,9 @@ key its peer registered with.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 
 from distill.pipeline import Broker
@@ -106,6 +109,9 @@ def test_with_curve_a_heartbeat_must_carry_the_key_its_peer_registered_with(tmp_
     impostor = Peer(endpoints["backend"], keys=keys["evil"])
     try:
         worker.send(Command.READY, {"peer_id": "worker-victim", "credit": 4, "max_batch": 4})
+        # Two connections have no order between them: the heartbeat waits until the READY is in
+        # (a heartbeat of a worker the broker does not know yet is answered RECONNECT).
+        _until(lambda: broker.stats.workers == 1, "the broker registers the worker's READY")
         beats.send(Command.HEARTBEAT, {"peer_id": "worker-victim", "role": "worker"})
         assert beats.expect(Command.HEARTBEAT).body["role"] == "broker"
         impostor.send(Command.HEARTBEAT, {"peer_id": "worker-victim", "role": "worker"})
@@ -115,3 +121,10 @@ def test_with_curve_a_heartbeat_must_carry_the_key_its_peer_registered_with(tmp_
         for peer in (worker, beats, impostor):
             peer.close()
         broker.stop()
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.01)

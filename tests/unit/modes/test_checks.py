@@ -19,6 +19,9 @@ from tests.unit.train.test_sizing import LLAMA_70B
     (["student.layers=[0,7]"], "student.layers"),
     (["pipeline.slot_count=0"], "pipeline.slot_count"),
     (["pipeline.slot_count=100000000", "student.micro_batch_size=1"], "slot_count"),
+    (["teacher.sleep_per_batch_s=-0.05"], "teacher.sleep_per_batch_s"),
+    (["teacher.sleep_per_batch_s=50000"], "teacher.sleep_per_batch_s"),
+    (["teacher.sleep_per_batch_s=nan"], "teacher.sleep_per_batch_s"),
 ])
 def test_bad_settings_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
@@ -27,6 +30,7 @@ def test_bad_settings_name_the_key(overrides: list[str], message: str) -> None:
 
 def test_default_config_passes_the_checks() -> None:
     check_config(_compose([]))
+    check_config(_compose(["teacher.sleep_per_batch_s=0.05"]))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

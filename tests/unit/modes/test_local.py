@@ -5,6 +5,7 @@ ignores SIGTERM), passes the user's overrides on without its own, and records th
 from __future__ import annotations
 
 import json
+import shlex
 import stat
 import subprocess
 import sys
@@ -103,6 +104,18 @@ def test_children_get_the_user_overrides_but_not_the_supervisor_s_own(tmp_path: 
     assert out[:2] == ["replacement=mlp", "student.lr=0.01"]
     assert out[2:] == ["run_id=run7", "pipeline.socket_dir=/sock/dir", f"hydra.run.dir={tmp_path / 'run'}",
                        "hydra.output_subdir=null"]
+
+
+def test_add_worker_sh_is_the_jobs_own_worker_command(tmp_path: Path) -> None:
+    """add_worker.sh starts mode=worker with the job's overrides (quoted: a socket dir with a
+    space stays one argument), then the user's; only the user may run it."""
+    script = tmp_path / "add_worker.sh"
+    common = ["replacement=mlp", "run_id=run7", "pipeline.socket_dir=/sock dir/x", f"hydra.run.dir={tmp_path}"]
+    local._write_add_worker(script, common)
+    assert stat.S_IMODE(script.stat().st_mode) == 0o700
+    argv = shlex.split(script.read_text().splitlines()[-1])
+    assert argv[:2] == ['OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}', "exec"]
+    assert argv[2:] == [sys.executable, "-m", "distill", "mode=worker", *common, "hydra.job.name=worker_added", "$@"]
 
 
 def test_the_private_socket_dir_is_ours_alone(tmp_path: Path, monkeypatch) -> None:

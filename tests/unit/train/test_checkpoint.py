@@ -104,11 +104,11 @@ def test_loading_weights_of_another_architecture_fails_loudly(tmp_path: Path) ->
 
 
 def test_checkpoint_fingerprint_ignores_how_batches_are_fetched_and_logged() -> None:
-    """A rerun with other loader/logging settings resumes; other weights start afresh."""
+    """A rerun with other loader/logging settings (or teacher pace) resumes; other weights start afresh."""
     base = ckpt.config_fingerprint(_compose([]), "tiny")
     assert base.startswith("LinearAttentionLayer-")
     same = ["student.loader_workers=2", "student.prefetch_batches=0", "student.log_every_steps=1",
-            "student.checkpoint_every_steps=7"]
+            "student.checkpoint_every_steps=7", "teacher.sleep_per_batch_s=0.05"]
     assert ckpt.config_fingerprint(_compose(same), "tiny") == base
     assert ckpt.config_fingerprint(_compose(["student.lr=0.01"]), "tiny") != base
     assert ckpt.config_fingerprint(_compose(["student.loss=cosine"]), "tiny") != base

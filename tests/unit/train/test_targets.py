@@ -8,6 +8,8 @@ path: over the CPU here, over real CUDA devices in its ``gpu`` variant.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -17,7 +19,7 @@ from distill.model.teacher import Teacher, teacher_device_map
 from distill.pipeline.slot import HEADER_BYTES, slot_stride
 from distill.pipeline.worker import SlotTarget
 from distill.train.stages import Stage, sample_batch_config
-from distill.train.targets import TeacherTargets, write_e2e_targets
+from distill.train.targets import SleepingTeacher, TeacherTargets, write_e2e_targets
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -118,3 +120,23 @@ def test_teacher_on_a_device_map_fills_slots_like_one_on_one_device(where: str, 
         logp_BTK = torch.log_softmax(plain.model(train_NT[rows]).logits, -1).topk(5, dim=-1).values
     for i, view in enumerate(views):
         torch.testing.assert_close(config.decode(view)["topk_logp"], logp_BTK[i], rtol=1e-4, atol=1e-4)
+
+
+def test_the_sleeping_teacher_takes_at_least_its_time_and_keeps_the_teachers_samples() -> None:
+    """teacher.sleep_per_batch_s: a batch takes at least that long, the forward's own time
+    included (a forward slower than it is not slowed further), and what the wrapped batch
+    function wrote and returned comes through unchanged."""
+    calls = []
+
+    def fill(model_id: str, model_cfg: dict | None, targets: list) -> object:
+        time.sleep(forward_s)
+        calls.append((model_id, model_cfg, targets))
+        return "finish"
+
+    for forward_s, batch_s, least, most in [(0.0, 0.05, 0.05, 0.09), (0.03, 0.05, 0.05, 0.09),
+                                            (0.08, 0.02, 0.08, 0.12)]:
+        started = time.perf_counter()
+        assert SleepingTeacher(fill, batch_s)("m", {"layers": [0]}, ["t"]) == "finish"
+        took = time.perf_counter() - started
+        assert least <= took < most, (forward_s, batch_s, took)
+    assert calls == [("m", {"layers": [0]}, ["t"])] * 3

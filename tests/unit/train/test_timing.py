@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill.train.supply import Slots, WorkersSeen, data_supply, teacher_bound_advice
 from distill.train.timing import (
     STUDENT_PHASES,
     TimedBatchFn,
@@ -19,7 +20,6 @@ from distill.train.timing import (
     time_split,
     timed,
 )
-from distill.train.trainer import data_supply
 from distill.train.transfer import DeviceToSlots
 
 
@@ -32,6 +32,36 @@ def test_data_supply_says_how_short_the_teachers_were() -> None:
     assert supply["startup_wait_s"] == 0.5
     fed = data_supply(wait_s=0.0, step_s=10.0, samples=600)
     assert fed["wait_fraction"] == 0 and fed["needed_samples_per_s"] == fed["delivered_samples_per_s"]
+
+
+def test_the_teacher_bound_advice_names_its_figures_and_how_many_workers_would_help(tmp_path: Path) -> None:
+    """1 worker delivering 128 of the 207 samples/s needed: 1 more, each on a device of its own;
+    2 workers delivering 100 of 260 (50 each): 4 more (ceil(260 / 50) = 6 in all). The script
+    that adds one to the running job is named only while it exists."""
+    seen = WorkersSeen()
+    for live in (None, 1, 1):  # None: the broker has not answered a heartbeat yet
+        seen.note(live)
+    supply = {**data_supply(wait_s=3.8, step_s=10.0, samples=1280), **seen.record()}
+    assert (supply["workers_min"], supply["workers_max"]) == (1, 1)
+    script = tmp_path / "add_worker.sh"
+    advice = teacher_bound_advice(0, supply, script)
+    assert advice.startswith("stage 0 was teacher-bound: students waited 38% of their steps for data; "
+                             "they needed 206 samples/s, the teachers delivered 128 by 1 worker(s), 128 samples/s each")
+    for figure in ("stage_end in metrics.jsonl", "wait_fraction", "needed_samples_per_s", "delivered_samples_per_s",
+                   "workers_max"):
+        assert figure in advice
+    assert "about 1 more worker(s)" in advice and "add_worker.sh" not in advice
+    script.touch()
+    two = {**data_supply(wait_s=6.15, step_s=10.0, samples=1000), "workers_min": 1, "workers_max": 2}
+    advice = teacher_bound_advice(3, two, script)
+    assert "about 4 more worker(s)" in advice and f"sh {script} adds one to this running job" in advice
+    assert "slot_count" not in advice  # no slots given: nothing said of them
+    # 6 workers x batches of 8 need 48 slots: 32 on one rank are short, 2 ranks x 32 are not
+    short = teacher_bound_advice(3, two, script, Slots(32, 1, 8))
+    assert "with pipeline.slot_count >= 48 (now 32), or the new workers run partial batches" in short
+    assert "slot_count" not in teacher_bound_advice(3, two, script, Slots(32, 2, 8))
+    unknown = teacher_bound_advice(1, {**two, "workers_max": None}, script)
+    assert "more teacher workers" in unknown and "samples/s each" not in unknown
 
 
 @pytest.mark.timeout(30)
