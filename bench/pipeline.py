@@ -709,16 +709,21 @@ def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker
                 dataset = DistillIterableDataset(0, client.generation_value, slots, config,
                                                  endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S)
                 samples = iter(dataset)
-
-                def step(it: Iterator[dict[str, torch.Tensor]] = samples) -> int:
-                    for i in range(size.batch_size):
-                        batch[i].copy_(next(it)["x"])
-                    return size.batch_size
-
                 try:
-                    yield measure(size, method, count, step, seconds, roles)
+                    yield measure(size, method, count, _one_by_one(samples, batch), seconds, roles)
                 finally:
                     samples.close()
+
+
+def _one_by_one(samples: Iterator[dict[str, torch.Tensor]], batch: torch.Tensor) -> Callable[[], int]:
+    """A step that fills ``batch`` one sample at a time from a per-sample iterator, as the
+    README's loop (and softs') does; returns how many samples it took."""
+    def step() -> int:
+        for row in batch:
+            row.copy_(next(samples)["x"])
+        return len(batch)
+
+    return step
 
 
 def softs_installed() -> bool:
@@ -745,14 +750,8 @@ def bench_softs(size: Size, seconds: float, sock_dir: str) -> Iterator[Result]:
                                                 batch_config=config, medium_cls=softs.ShmMedium,
                                                 request_timeout=FIRST_BATCH_TIMEOUT_S)
             samples = iter(dataset)
-
-            def step(it: Iterator[dict[str, torch.Tensor]] = samples) -> int:
-                for i in range(size.batch_size):
-                    batch[i].copy_(next(it)["x"])
-                return size.batch_size
-
             try:
-                yield measure(size, "softs 0.1.2", count, step, seconds,
+                yield measure(size, "softs 0.1.2", count, _one_by_one(samples, batch), seconds,
                               {"consumer": [os.getpid()], "broker": [broker], "producers": list(suppliers)})
             finally:
                 samples.close()
