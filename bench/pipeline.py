@@ -293,8 +293,12 @@ class EncodedSamples:
 def run_default_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int) -> None:
     """A worker as the README starts it: ``generator_fn`` and ``slot_size``, all else default."""
     child_init(parent_pid)
-    worker = Worker(generator_fn=EncodedSamples(sample_bytes), slot_size=sample_bytes,
-                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
+    _serve(Worker(generator_fn=EncodedSamples(sample_bytes), slot_size=sample_bytes,
+                  backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"]), ready)
+
+
+def _serve(worker: Worker, ready) -> None:
+    """Run ``worker`` until SIGTERM, saying ready first."""
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     ready.set()
     worker.run()
@@ -330,11 +334,8 @@ def run_default_batch_worker(parent_pid: int, ready, endpoints: dict[str, str], 
     argument at its default): the student's default path without the generator API's
     own copies (encode, then bytes into the slot)."""
     child_init(parent_pid)
-    worker = Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes),
-                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"])
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    ready.set()
-    worker.run()
+    _serve(Worker(batch_fn=fill_targets, batch_config=sample_config(sample_bytes),
+                  backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"]), ready)
 
 
 def run_filler(parent_pid: int, ready, sample_bytes: int, slots: int) -> None:

@@ -45,15 +45,23 @@ def consume_verified(client, generation: int, count: int, *, seen: set[int] | No
     ``generation`` and checked byte for byte against its request id; none twice."""
     seen = set() if seen is None else seen
     while len(seen) < count:
-        ref = client.request_sample(timeout_ms=timeout_ms)
-        assert ref is not None, f"{what} (after {len(seen)} samples)"
-        assert ref.generation == generation
-        assert torch.equal(ref.tensors["x"], expected_x(ref.request_id, generation)), \
-            f"slot {ref.slot_id} (request {ref.request_id}) holds a torn or foreign sample"
-        assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
-        seen.add(ref.request_id)
+        ref = take_verified(client, generation, seen, timeout_ms=timeout_ms, what=what)
         client.release_slot(ref.slot_id)
     return seen
+
+
+def take_verified(client, generation: int, seen: set[int], *, timeout_ms: float = 30_000,
+                  what: str = "no sample"):
+    """One sample (not released: the caller does), of ``generation``, checked byte for byte
+    against its request id and never seen before; its request id joins ``seen``."""
+    ref = client.request_sample(timeout_ms=timeout_ms)
+    assert ref is not None, f"{what} (after {len(seen)} samples)"
+    assert ref.generation == generation
+    assert torch.equal(ref.tensors["x"], expected_x(ref.request_id, generation)), \
+        f"slot {ref.slot_id} (request {ref.request_id}) holds a torn or foreign sample"
+    assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
+    seen.add(ref.request_id)
+    return ref
 
 
 def run_segment_owner() -> None:

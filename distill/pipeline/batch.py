@@ -114,6 +114,10 @@ class BatchConfig:
         """Bytes of one encoded sample."""
         return self._nbytes
 
+    def offset_of(self, name: str) -> int:
+        """Where tensor ``name``'s bytes start in an encoded sample (specs packed back to back)."""
+        return self._offsets[name]
+
     @property
     def tensor_names(self) -> list[str]:
         return [s.name for s in self.specs]

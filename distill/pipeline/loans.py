@@ -36,8 +36,8 @@ class SlotLoans:
     """Lends slots' payloads as tensors and collects the slots whose loans ended."""
 
     def __init__(self, config: BatchConfig, limit: int) -> None:
-        self._layout = [(spec.name, offset, spec.nbytes, spec.torch_dtype, spec.shape)
-                        for spec, offset in zip(config.specs, _offsets(config), strict=True)]
+        self._layout = [(spec.name, config.offset_of(spec.name), spec.nbytes, spec.torch_dtype, spec.shape)
+                        for spec in config.specs]
         self.limit = limit
         """At most this many slots out on loan at once (past it, :meth:`room` says no)."""
         self.out = 0
@@ -73,11 +73,3 @@ class SlotLoans:
         self.out -= len(back)
         return back
 
-
-def _offsets(config: BatchConfig) -> list[int]:
-    """Where each spec's bytes start in an encoded sample (specs packed back to back)."""
-    offsets, offset = [], 0
-    for spec in config.specs:
-        offsets.append(offset)
-        offset += spec.nbytes
-    return offsets

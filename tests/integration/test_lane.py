@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from distill.pipeline import Broker, StudentClient, Worker
 from distill.pipeline.liveness import process_token
@@ -49,12 +48,7 @@ def _take(client: StudentClient, generation: int, seen: set[int], count: int) ->
     """Like ``peers.consume_verified``, returning the slot of each sample taken."""
     slots = []
     for _ in range(count):
-        ref = client.request_sample(timeout_ms=30_000)
-        assert ref is not None, f"no sample (after {len(seen)})"
-        assert ref.generation == generation
-        assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
-        assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
-        seen.add(ref.request_id)
+        ref = peers.take_verified(client, generation, seen)
         slots.append(ref.slot_id)
         client.release_slot(ref.slot_id)
     return slots

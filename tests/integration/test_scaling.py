@@ -13,7 +13,6 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 
 from distill.pipeline import Broker, StudentClient
 from tests import peers
@@ -43,12 +42,7 @@ def _take_for(client: StudentClient, generation: int, seconds: float, seen: set[
     taken = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        ref = client.request_sample(timeout_ms=10_000)
-        assert ref is not None, f"no sample (after {len(seen)})"
-        assert ref.generation == generation
-        assert torch.equal(ref.tensors["x"], peers.expected_x(ref.request_id, generation))
-        assert ref.request_id not in seen, f"request {ref.request_id} yielded twice"
-        seen.add(ref.request_id)
+        ref = peers.take_verified(client, generation, seen, timeout_ms=10_000)
         taken.append((client._pool.slots.records[ref.slot_id].writer >> 32, ref.slot_id))
         client.release_slot(ref.slot_id)
     return taken
