@@ -73,7 +73,8 @@ def _usage(facts: dict) -> str:
         "architecture with missing weights. distill itself is not needed.", "",
         "```python", f"from transformers import AutoTokenizer, {auto}",
         f"model = {auto}.from_pretrained(\"path/to/student\", trust_remote_code=True)",
-        "tok = AutoTokenizer.from_pretrained(\"path/to/student\")", call, "```", "",
+        "tok = AutoTokenizer.from_pretrained(\"path/to/student\", trust_remote_code=True)  # it reads config.json too",
+        call, "```", "",
         "Padding masks and position ids are honoured by every layer; replaced layers keep their decode "
         "state in the model's cache (`DynamicCache(config=model.config)`).",
     ])
