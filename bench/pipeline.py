@@ -43,12 +43,15 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   ``generator_fn`` returning each sample's bytes (``BatchConfig.encode``) and the
   Worker's default ``max_batch``, a ``StudentClient(slot_count=16)`` and a
   ``DistillIterableDataset(slot_count=8)`` without ``batch_size``, whose samples the
-  consumer copies one by one into the batch (row ``README``). Row ``batch_fn``: the same
-  student with ``batch_fn`` workers (``fill_sample`` straight into the slots, default
-  ``max_batch``): the student's default path without the generator API's own copies
-  (encode, then the bytes into the slot). Rows ``ring chosen`` and ``batch_fn, ring``:
-  both with the dataset's ``slot_count`` left out, so distill chooses the ring from the
-  sample size and the CPU cache (``distill/pipeline/sizing.py``). Its table sets each
+  consumer copies one by one into the batch (row ``README``). Row ``tensors``: the same
+  with the ``generator_fn`` returning the sample's tensor by name (and the Worker given
+  ``batch_config``), which the worker copies straight into the slot (the generator API's
+  fast path: no ``encode``, no bytes). Row ``batch_fn``: the same student with
+  ``batch_fn`` workers (``fill_sample`` straight into the slots, default ``max_batch``):
+  the student's default path without the generator's own work (its sample, then the
+  copy into the slot). Rows ``ring chosen``, ``tensors, ring`` and ``batch_fn, ring``:
+  the three with the dataset's ``slot_count`` left out, so distill chooses the ring from
+  the sample size and the CPU cache (``distill/pipeline/sizing.py``). Its table sets each
   beside the best tuned pipeline cell of the same size and worker count: what a user who
   follows the README gets, against what the tuned arguments give (issue 23 wants >= 0.9
   at 256 KiB and 4 MiB, and >= 20x softs 0.1.2 at 4 KiB).
@@ -288,6 +291,24 @@ class EncodedSamples:
         self.counter += 1
         fill_sample(self.sample, self.counter)
         return self.config.encode(x=self.sample)
+
+
+class TensorSamples(EncodedSamples):
+    """The generator API's fast path: the same ``fill_sample``-ed sample, returned as its
+    tensor by name (the worker copies it straight into the slot: no ``encode``)."""
+
+    def __call__(self, model_id: str, model_cfg: dict | None) -> dict[str, torch.Tensor]:
+        self.counter += 1
+        fill_sample(self.sample, self.counter)
+        return {"x": self.sample}
+
+
+def run_default_tensor_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int) -> None:
+    """The README's worker whose ``generator_fn`` returns tensors by name, so it is given
+    ``batch_config`` in place of ``slot_size``; all else default."""
+    child_init(parent_pid)
+    _serve(Worker(generator_fn=TensorSamples(sample_bytes), batch_config=sample_config(sample_bytes),
+                  backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"]), ready)
 
 
 def run_default_worker(parent_pid: int, ready, endpoints: dict[str, str], sample_bytes: int) -> None:
@@ -679,17 +700,20 @@ README_CLIENT_SLOTS, README_DATASET_SLOTS = 16, 8
 
 
 DEFAULT_WORKERS = {"defaults (README)": (run_default_worker, README_DATASET_SLOTS),
+                   "defaults, tensors": (run_default_tensor_worker, README_DATASET_SLOTS),
                    "defaults, batch_fn": (run_default_batch_worker, README_DATASET_SLOTS),
                    "defaults, ring chosen": (run_default_worker, None),
+                   "defaults, tensors, ring": (run_default_tensor_worker, None),
                    "defaults, batch_fn, ring": (run_default_batch_worker, None)}
-"""Each default row: its workers (the README's ``generator_fn``, or ``batch_fn``) and the
-dataset's ``slot_count`` (the README's 8, or None: left out, distill chooses the ring)."""
+"""Each default row: its workers (the README's ``generator_fn`` returning bytes, the
+same returning tensors by name, or ``batch_fn``) and the dataset's ``slot_count`` (the
+README's 8, or None: left out, distill chooses the ring)."""
 
 
 def bench_defaults(size: Size, seconds: float, endpoints: dict[str, str], broker_pid: int) -> Iterator[Result]:
     """The README's path, every argument at its default, with 1 then 2 workers; then the
-    same student with ``batch_fn`` workers; then both with the dataset's ``slot_count``
-    left out (the ring distill chooses)."""
+    same student with tensor-returning and ``batch_fn`` workers; then the three with the
+    dataset's ``slot_count`` left out (the ring distill chooses)."""
     for method, (target, slots) in DEFAULT_WORKERS.items():
         yield from _default_cells(size, seconds, endpoints, broker_pid, method, target, slots)
 

@@ -400,3 +400,21 @@ def run_readme_worker(endpoints: dict[str, str], sample_bytes: int) -> None:
 
     Worker(generator_fn=generate, slot_size=config.nbytes(), backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"]).run()
+
+
+def run_tensor_worker(endpoints: dict[str, str], sample_bytes: int) -> None:
+    """:func:`run_readme_worker`'s samples returned as tensors by name (the generator
+    API's fast path: no ``encode``), with ``batch_config`` in place of ``slot_size``."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    config = readme_config(sample_bytes)
+    counter = [0]
+
+    def generate(model_id: str, model_cfg: dict | None) -> dict[str, torch.Tensor]:
+        counter[0] += 1
+        x = torch.full((sample_bytes // 8,), counter[0], dtype=torch.int64)
+        x[0] = os.getpid()
+        return {"x": x}
+
+    Worker(generator_fn=generate, batch_config=config, backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"]).run()

@@ -6,8 +6,8 @@ padding, so that ``nbytes()`` is the plain sum of the tensors' sizes (the seed
 README's contract: ``(512, 768) bfloat16 + (512,) int64 -> 790528``).
 
 ``decode`` returns views into the buffer it is given (no copy); ``encode`` makes
-``bytes``; ``write`` copies tensors straight into a writable buffer (the zero-copy
-path workers use to fill shared-memory slots).
+``bytes``; ``write`` copies tensors straight into a writable buffer, and ``copy_into``
+into views ``decode`` made once (the paths workers use to fill shared-memory slots).
 """
 
 from __future__ import annotations
@@ -171,6 +171,33 @@ class BatchConfig:
             if tuple(src.shape) != tuple(view.shape):
                 raise ValueError(f"tensor {name!r}: shape {tuple(src.shape)} != spec {tuple(view.shape)}")
             view.copy_(src)
+
+    def copy_into(self, views: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into ``views`` (what :meth:`decode` made of a writable buffer),
+        one copy per tensor and no intermediate bytes: a worker's ``generator_fn`` that
+        returns its tensors lands here (against ``encode`` and the copy of its bytes into
+        the slot, two passes over every sample fewer).
+
+        Strict where ``encode`` converts: every name of the config and no other, each a
+        ``torch.Tensor`` of its spec's shape and dtype; the first that is not raises a
+        ValueError naming it, before anything is written. A silent conversion would hide
+        a teacher that makes float32 for a bfloat16 slot (and cost a pass of its own).
+        """
+        if not isinstance(tensors, Mapping) or tensors.keys() != self._shapes.keys():
+            self._check_names(tensors if isinstance(tensors, Mapping) else {}, "copy_into")
+        sources = []
+        for name, _, _, dtype in self._layout:
+            src = tensors[name]
+            if not isinstance(src, torch.Tensor):
+                raise ValueError(f"tensor {name!r}: got {type(src).__name__}, not a torch.Tensor")
+            if src.shape != self._shapes[name]:
+                raise ValueError(f"tensor {name!r}: shape {tuple(src.shape)} != spec {self._shapes[name]}")
+            if src.dtype is not dtype:
+                raise ValueError(f"tensor {name!r}: dtype {src.dtype} != spec {dtype}: convert it "
+                                 f"(.to({dtype})) or change the BatchConfig")
+            sources.append(src.detach() if src.requires_grad else src)  # no autograd history on the views
+        for (name, _, _, _), src in zip(self._layout, sources, strict=True):
+            views[name].copy_(src)
 
     def decode(self, data: Buffer) -> dict[str, torch.Tensor]:
         """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""

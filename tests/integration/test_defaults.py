@@ -107,3 +107,26 @@ def test_lent_samples_cross_a_dataloader_worker_intact(procs, endpoints) -> None
             _check(sample, seen)
             if count == 5 * SLOTS:
                 break
+
+
+def test_a_generator_returning_tensors_delivers_exact_samples_beside_a_bytes_one(procs, endpoints) -> None:
+    """The generator API's fast path (tensors by name, copied straight into the slot)
+    from one worker process, the seed README's bytes from another, to the README's student."""
+    sample_bytes = 256 << 10
+    config = peers.readme_config(sample_bytes)
+    procs.start(peers.run_broker, endpoints, name="broker")
+    tensors = procs.start(peers.run_tensor_worker, endpoints, sample_bytes, name="tensor-worker")
+    procs.start(peers.run_readme_worker, endpoints, sample_bytes, name="bytes-worker")
+    with StudentClient(0, 16, config, endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"]) as client:
+        client.hello()
+        client.set_model("my_model")
+        dataset = DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
+                                         timeout_s=30)
+        samples, seen = iter(dataset), set()
+        try:
+            for _ in range(200):
+                _check(next(samples), seen)
+        finally:
+            samples.close()
+    assert tensors.pid in {writer for writer, _ in seen}

@@ -60,7 +60,7 @@ class Committer:
     def _drop_misfits(self, run: Run, lengths: list[int], expected: int, failed: Failures) -> list[int]:
         """Fail the slots whose sample did not fit (or is not the student's size); give up
         their claims; keep the rest of the run. Returns the lengths of those kept."""
-        bad = {pos: _misfit(length, expected) for pos, length in enumerate(lengths)
+        bad = {pos: run.targets[pos].failure or _misfit(length, expected) for pos, length in enumerate(lengths)
                if length < 0 or (expected and length != expected)}
         for pos, why in bad.items():
             failed.setdefault(run.work_id, {})[run.idxs[pos]] = why

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +22,13 @@ class SlotTarget:
     generation: int
     payload: memoryview
     tensors: dict[str, torch.Tensor] | None
+    failure: str | None = None
+    """Why the worker did not fill it (a ``generator_fn`` sample it refused): the slot fails with it."""
 
 
-GeneratorFn = Callable[[str, dict | None], bytes]
+GeneratorFn = Callable[[str, dict | None], "bytes | Mapping[str, torch.Tensor]"]
+"""Per sample: the sample's bytes (``BatchConfig.encode``, the seed README's), or its
+tensors by name (needs ``batch_config``), copied straight into the slot."""
 BatchFn = Callable[[str, dict | None, list[SlotTarget]], Callable[[], None] | None]
 Deferred = Callable[[], None]
 """Completes a filled group whose payload copies are in flight: finish them, commit the headers."""
@@ -42,7 +46,8 @@ class WorkerConfig:
     slot_size: int | None = None
     """Bytes per sample (default: ``batch_config.nbytes()``)."""
     batch_config: BatchConfig | None = None
-    """The sample layout: ``SlotTarget.tensors`` are views of it (``batch_fn`` only)."""
+    """The sample layout: ``SlotTarget.tensors`` are views of it; needed by a ``generator_fn``
+    that returns tensors by name, and by ``batch_fn`` to get ``tensors``."""
     backend_endpoint: str | None = None
     """The broker's backend (default: ``default_endpoint("backend")``)."""
     control_pub_endpoint: str | None = None

@@ -7,8 +7,12 @@ slot claimed (``claims.py``) before the sample function sees it. A network mediu
 worker cannot map gets a fresh staging buffer per slot instead (sent by
 ``commit.py``). Then the sample function runs once per batch:
 
-- ``generator_fn(model_id, model_cfg) -> bytes`` (the seed README's, per sample): its
-  bytes are copied into the slot;
+- ``generator_fn(model_id, model_cfg)`` (the seed README's, per sample): the bytes it
+  returns are copied into the slot; a mapping name -> tensor it returns instead is
+  checked against ``batch_config`` and each tensor copied straight into the slot's
+  views (``BatchConfig.copy_into``: no ``encode``, no bytes, two passes over every
+  sample fewer). A sample that does not fit, or tensors that are not the config's,
+  fail that slot with the reason; the worker goes on;
 - ``batch_fn(model_id, model_cfg, targets)`` (zero-copy): writes into the targets'
   views; it may return a ``finish`` callable (copies still in flight), which the
   worker calls before it commits (see ``loop.py``).
@@ -17,7 +21,7 @@ worker cannot map gets a fresh staging buffer per slot instead (sent by
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium, medium_label
@@ -139,7 +143,7 @@ class Filler:
 
     def _decode(self, payload: memoryview):
         config = self.config.batch_config
-        return config.decode(payload) if config is not None and self.batch_fn is not None else None
+        return config.decode(payload) if config is not None else None
 
     def _claim(self, run: Run, failed: Failures, share: bool) -> list[int]:
         """Claim the run's slots; returns the items over the fair share (left for later)."""
@@ -174,11 +178,32 @@ class Filler:
 
     def _generate_one(self, model_id: str, model_cfg: dict | None, target: SlotTarget) -> int:
         data = self.generator_fn(model_id, model_cfg)
+        if isinstance(data, Mapping):
+            return self._write_tensors(data, target)
         if len(data) > len(target.payload):
             log.error("generator returned %d bytes; slot_size is %d", len(data), len(target.payload))
             return -1
         target.payload[:len(data)] = data
         return len(data)
+
+    def _write_tensors(self, tensors: Mapping, target: SlotTarget) -> int:
+        """A sample returned as tensors by name: straight into the slot's views, or the
+        slot fails with why (logged, throttled: one bad generator is one line, not a flood)."""
+        config = self.config.batch_config
+        if config is None:
+            target.failure = NO_LAYOUT
+        else:
+            try:
+                config.copy_into(target.tensors, tensors)
+                return self.slot_size
+            except (TypeError, ValueError) as exc:
+                target.failure = f"generator_fn returned bad tensors: {exc}"[:200]
+        self._refusals.warning("worker %s: %s", self.peer_id, target.failure)
+        return -1
+
+
+NO_LAYOUT = ("generator_fn returned tensors by name, but the Worker has no batch_config: pass "
+             "Worker(batch_config=...) (the students' BatchConfig) so it knows where each tensor goes")
 
 
 def _label(medium: str) -> str:

@@ -1,7 +1,8 @@
 """The worker: receives WORK (batches of slot addresses), fills the slots, says DONE.
 
 Two ways to make samples (``fill.py``): the seed README's per-sample
-``generator_fn(model_id, model_cfg) -> bytes``, or the zero-copy
+``generator_fn(model_id, model_cfg)``, returning bytes or (with ``batch_config``, one
+copy fewer) the sample's tensors by name, or the zero-copy
 ``batch_fn(model_id, model_cfg, targets)``, one call per batch, with one
 :class:`SlotTarget` per slot whose ``tensors`` (needs ``batch_config``) or ``payload``
 are writable views straight into the student's memory. A ``batch_fn`` may return a
@@ -103,7 +104,7 @@ class Worker:
         self.writer_id = new_writer_id()
         """This worker's claims and commits in slot headers carry it (``claims.py``)."""
         self._sender = TcpSender()
-        decode = (cfg.batch_config.decode if cfg.batch_config is not None and batch_fn is not None else None)
+        decode = cfg.batch_config.decode if cfg.batch_config is not None else None
         self._segments = Segments(self.slot_size, decode)
         self._filler = Filler(cfg, generator_fn, batch_fn, self._segments, self._sender, self.writer_id,
                               self.peer_id)

@@ -60,6 +60,25 @@ def test_write_checks_names_and_shapes() -> None:
         config.write(buf, x=torch.zeros(5))
 
 
+def test_copy_into_writes_the_views_once_and_names_what_is_wrong() -> None:
+    config = BatchConfig([TensorSpec("h", (2, 3), "bfloat16"), TensorSpec("n", (3,), "int64")])
+    buf = bytearray(config.nbytes())
+    views = config.decode(buf)
+    h = torch.randn(2, 3, requires_grad=True).bfloat16()
+    config.copy_into(views, {"h": h, "n": torch.tensor([1, 2, 3])})
+    assert bytes(buf) == config.encode(h=h, n=torch.tensor([1, 2, 3]))  # what encode makes, byte for byte
+    assert not views["h"].requires_grad  # no autograd history left on the slot's views
+    before = bytes(buf)
+    for bad, why in [({"h": h}, r"missing \['n'\]"),
+                     ({"h": h, "n": torch.zeros(3, dtype=torch.int64), "m": h}, r"unexpected \['m'\]"),
+                     ({"h": h.float(), "n": torch.zeros(3, dtype=torch.int64)}, "'h': dtype torch.float32 != spec"),
+                     ({"h": h, "n": torch.zeros(4, dtype=torch.int64)}, r"'n': shape \(4,\) != spec \(3,\)"),
+                     ({"h": h, "n": [0, 0, 0]}, "'n': got list, not a torch.Tensor")]:
+        with pytest.raises(ValueError, match=why):
+            config.copy_into(views, bad)
+    assert bytes(buf) == before  # checked before anything is written
+
+
 def test_bad_specs_are_refused() -> None:
     with pytest.raises(ValueError, match="dtype"):
         TensorSpec("x", (1,), "complex64")

@@ -9,17 +9,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distill.pipeline import Worker, WorkerConfig
 from distill.pipeline.liveness import new_writer_id, writer_alive
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.mediums.tcp import TcpSender
 from distill.pipeline.sizing import worker_batch
-from distill.pipeline.slot import HeaderTable, check_slot, slot_stride
+from distill.pipeline.slot import HEADER_BYTES, HeaderTable, check_slot, slot_stride
 from distill.pipeline.worker import claims
 from distill.pipeline.worker.commit import Committer
 from distill.pipeline.worker.config import SlotTarget
-from distill.pipeline.worker.fill import Run
+from distill.pipeline.worker.fill import NO_LAYOUT, Filler, Run
 from distill.pipeline.worker.segments import Segments
 from tests import peers
 
@@ -137,3 +138,54 @@ def test_segments_refuse_other_sample_sizes_and_foreign_geometry(segment) -> Non
         segments.slot(mapped, 0, STRIDE + 64)
     with pytest.raises(IndexError, match="outside"):
         segments.slot(mapped, 4, STRIDE)
+
+
+def _fill_once(owner: SharedMemoryManager, segments: Segments, config: WorkerConfig, generator_fn) -> dict:
+    """One WORK over the segment's four slots, through the worker's Filler and Committer:
+    the failures by item (each slot asked for fill 10 + its index, generation 3)."""
+    me = new_writer_id()
+    HeaderTable(owner.buf, STRIDE).ask([0, 1, 2, 3], [10, 11, 12, 13])
+    filler = Filler(config, generator_fn, None, segments, TcpSender(), me, "test")
+    body = {"work_id": 1, "items": [[owner.buf_name, idx, STRIDE, 10 + idx] for idx in range(4)]}
+    runs: list[Run] = []
+    failed: dict = {}
+    assert filler.add_targets(body, 3, runs, failed, range(4)) == []
+    lengths, finish = filler.generate("m", None, [t for run in runs for t in run.targets])
+    assert finish is None
+    Committer(me, False, TcpSender(), "test").commit_runs(runs, lengths, failed)
+    return failed.get(1, {})
+
+
+def test_a_generator_returns_bytes_or_tensors_and_bad_tensors_fail_their_slot_only() -> None:
+    config = peers.batch_config()
+    floats = config.get_spec("x").shape[0]
+    good = {"x": torch.arange(floats, dtype=torch.float32), "tag": torch.tensor([4, 2])}
+    returns = iter([good,  # straight into the slot's views
+                    {**good, "x": good["x"].double()},  # float64 for a float32 spec
+                    config.encode(x=good["x"] + 1, tag=torch.tensor([7, 7])),  # the seed README's bytes
+                    {"x": good["x"]}])  # "tag" missing
+    with SharedMemoryManager(4, STRIDE, run_id="gen", payload_bytes=PAYLOAD) as owner:
+        segments = Segments(PAYLOAD, config.decode)
+        try:
+            failed = _fill_once(owner, segments, WorkerConfig(batch_config=config), lambda *_: next(returns))
+            assert set(failed) == {1, 3}
+            assert "dtype torch.float64 != spec torch.float32" in failed[1] and "missing ['tag']" in failed[3]
+            for slot, (x, tag) in {0: (good["x"], [4, 2]), 2: (good["x"] + 1, [7, 7])}.items():
+                assert check_slot(owner.slot_view(slot), 3, 10 + slot, PAYLOAD) is None
+                sample = config.decode(owner.slot_view(slot)[HEADER_BYTES:])
+                assert torch.equal(sample["x"], x) and sample["tag"].tolist() == tag
+            assert check_slot(owner.slot_view(1), 3, 11, PAYLOAD) is not None  # never committed
+        finally:
+            segments.close()
+
+
+def test_a_generator_returning_tensors_without_a_batch_config_is_told_to_pass_one() -> None:
+    config = peers.batch_config()
+    sample = {"x": torch.zeros(config.get_spec("x").shape), "tag": torch.zeros(2, dtype=torch.int64)}
+    with SharedMemoryManager(4, STRIDE, run_id="gen", payload_bytes=PAYLOAD) as owner:
+        segments = Segments(PAYLOAD, None)
+        try:
+            failed = _fill_once(owner, segments, WorkerConfig(slot_size=PAYLOAD), lambda *_: sample)
+        finally:
+            segments.close()
+    assert failed == dict.fromkeys(range(4), NO_LAYOUT) and "Worker(batch_config=" in NO_LAYOUT
