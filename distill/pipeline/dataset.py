@@ -245,20 +245,25 @@ class DistillIterableDataset(IterableDataset):
         are taken than may be lent (a consumer that holds the limit gets copies, one at a
         time); slots whose loans ended are asked for again a quarter of the ring at a time
         (and before any wait), so a worker fills several per wake-up."""
+        with_meta = self.config.with_meta
+        payloads: dict[int, memoryview] = {}  # each slot's payload view, made once
         while True:
             pool.release_many(loans.returned())
             for slot, gen, req in self._next_many(pool, max(1, loans.limit - loans.out)):
                 if gen < self._generation():
                     pool.release_many([slot])
                     continue
-                fill = pool.fill_number(slot)
+                fill = pool.fill_number(slot) if with_meta else 0
                 if loans.room():
-                    sample = loans.lend(slot, pool.payload_view(slot))
+                    payload = payloads.get(slot)
+                    if payload is None:
+                        payload = payloads[slot] = pool.payload_view(slot)
+                    sample = loans.lend(slot, payload)
                 else:
                     _, views = pool.slot_tensors(slot, self.batch_config)
                     sample = {name: view.clone() for name, view in views.items()}
                     pool.release_many([slot])
-                if self.config.with_meta:
+                if with_meta:
                     sample.update(self._meta(pool, gen, req, fill))
                 yield sample
                 del sample  # ours no longer: its loan ends when the consumer lets go

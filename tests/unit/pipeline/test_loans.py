@@ -57,3 +57,18 @@ def test_a_loan_ended_in_another_thread_comes_back_here() -> None:
     thread.start()
     thread.join()
     assert loans.returned() == [0]
+
+
+def test_tensors_packed_off_their_alignment_are_lent_exactly() -> None:
+    """Packed back to back, a tensor may start off a multiple of its item size: it is lent
+    through bytes then (an aligned one straight in its dtype), with the same values."""
+    config = BatchConfig([TensorSpec("b", (3,), "int8"), TensorSpec("w", (2, 2), "int64"),
+                          TensorSpec("f", (5,), "float32")])
+    data = bytearray(2 * config.nbytes() + 8)
+    sample = {"b": torch.tensor([1, -2, 3], dtype=torch.int8), "w": torch.tensor([[2**40, -5], [7, 9]]),
+              "f": torch.linspace(0, 1, 5)}
+    for start in (0, 1, 8):  # the slot itself at several alignments
+        view = memoryview(data)[start:start + config.nbytes()]
+        view[:] = config.encode(**sample)
+        lent = SlotLoans(config, limit=1).lend(0, view)
+        assert all(torch.equal(lent[name], tensor) for name, tensor in sample.items())
