@@ -182,6 +182,8 @@ class BatchConfig:
         ``torch.Tensor`` of its spec's shape and dtype; the first that is not raises a
         ValueError naming it, before anything is written. A silent conversion would hide
         a teacher that makes float32 for a bfloat16 slot (and cost a pass of its own).
+        Tensors of at least ``LARGE_ROW_BYTES`` on the CPU go through ``memmove``, like the
+        student's own copy (:func:`copy_rows`).
         """
         if not isinstance(tensors, Mapping) or tensors.keys() != self._shapes.keys():
             self._check_names(tensors if isinstance(tensors, Mapping) else {}, "copy_into")
@@ -196,8 +198,13 @@ class BatchConfig:
                 raise ValueError(f"tensor {name!r}: dtype {src.dtype} != spec {dtype}: convert it "
                                  f"(.to({dtype})) or change the BatchConfig")
             sources.append(src.detach() if src.requires_grad else src)  # no autograd history on the views
-        for (name, _, _, _), src in zip(self._layout, sources, strict=True):
-            views[name].copy_(src)
+        for (name, _, nbytes, _), src in zip(self._layout, sources, strict=True):
+            view = views[name]
+            if nbytes >= LARGE_ROW_BYTES and src.device.type == "cpu" and src.is_contiguous() \
+                    and view.is_contiguous():
+                ctypes.memmove(view.data_ptr(), src.data_ptr(), nbytes)  # as in copy_rows: rep movsb
+            else:
+                view.copy_(src)
 
     def decode(self, data: Buffer) -> dict[str, torch.Tensor]:
         """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""

@@ -8,6 +8,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from distill.pipeline import DTYPES, BatchConfig, TensorSpec
+from distill.pipeline.batch import LARGE_ROW_BYTES
 
 
 def test_readme_nbytes() -> None:
@@ -77,6 +78,11 @@ def test_copy_into_writes_the_views_once_and_names_what_is_wrong() -> None:
         with pytest.raises(ValueError, match=why):
             config.copy_into(views, bad)
     assert bytes(buf) == before  # checked before anything is written
+    large = BatchConfig([TensorSpec("big", (LARGE_ROW_BYTES // 4 + 1,), "float32"), TensorSpec("n", (3,), "int64")])
+    buf = bytearray(large.nbytes())
+    big = torch.randn(LARGE_ROW_BYTES // 4 + 1)
+    large.copy_into(large.decode(buf), {"big": big, "n": torch.tensor([4, 5, 6])})  # memmove, then copy_
+    assert bytes(buf) == large.encode(big=big, n=torch.tensor([4, 5, 6]))
 
 
 def test_bad_specs_are_refused() -> None:
