@@ -124,9 +124,10 @@ def test_a_generator_returning_tensors_delivers_exact_samples_beside_a_bytes_one
         dataset = DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
                                          timeout_s=30)
         samples, seen = iter(dataset), set()
-        try:
-            for _ in range(200):
+        started = time.monotonic()
+        try:  # until the tensor worker has delivered (both share the slots, once both are up)
+            while time.monotonic() - started < 20 and sum(writer == tensors.pid for writer, _ in seen) < 20:
                 _check(next(samples), seen)
         finally:
             samples.close()
-    assert tensors.pid in {writer for writer, _ in seen}
+    assert sum(writer == tensors.pid for writer, _ in seen) >= 20, f"{len(seen)} samples, none or few from tensors"
