@@ -1,9 +1,11 @@
 """Where a model lives: a local directory or a hub name, and its config without its weights.
 
-One rule decides whether ``teacher.name_or_path`` means a local path, used both by the
-start-up checks (which must stay fast: they run in every mode, the broker included,
-so this module imports neither torch nor transformers at import time) and by
-:meth:`distill.model.teacher.Teacher.from_pretrained`.
+One rule decides whether ``teacher.name_or_path`` means a local path, and
+:func:`teacher_source` says where the configured teacher is (that path or hub name, or
+the cached tiny teacher, built on first use). Both serve the start-up checks and
+``mode=local``'s supervisor, which must stay fast (the checks run in every mode, the
+broker included), so this module imports neither torch nor transformers at import time;
+:meth:`distill.model.teacher.Teacher.from_pretrained` uses the same rule.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+from omegaconf import DictConfig
+
+from distill.config import Family
+from distill.model.tiny_cache import tiny_bert_dir, tiny_teacher_dir
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -33,6 +40,19 @@ def check_exists(name_or_path: str) -> str:
             "(with config.json) or a hub name such as Qwen/Qwen2-0.5B"
         )
     return path
+
+
+def teacher_source(cfg: DictConfig) -> str:
+    """The directory or hub name of the teacher, building the tiny one on first use."""
+    if cfg.teacher.name_or_path:
+        return str(cfg.teacher.name_or_path)
+    tiny = cfg.teacher.tiny
+    shape = {"hidden_size": tiny.hidden_size, "num_layers": tiny.num_layers, "num_heads": tiny.num_heads,
+             "seq_len": cfg.data.seq_len, "vocab_size": tiny.vocab_size}
+    steps = {"train_steps": tiny.train_steps} if tiny.train_steps is not None else {}
+    if tiny.family == Family.bert:
+        return tiny_bert_dir(cfg.teacher.cache_dir, **shape, **steps)
+    return tiny_teacher_dir(cfg.teacher.cache_dir, **shape, **steps)
 
 
 def read_config(name_or_path: str) -> dict[str, Any]:

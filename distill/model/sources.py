@@ -12,25 +12,11 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from distill.config import Family
 from distill.model.data import TokenChunks, build_chunks, load_documents
+from distill.model.location import teacher_source
 from distill.model.teacher import Teacher, teacher_device_map
-from distill.model.tiny import tiny_bert_dir, tiny_teacher_dir
 
 log = logging.getLogger(__name__)
-
-
-def teacher_source(cfg: DictConfig) -> str:
-    """The directory or hub name of the teacher, building the tiny one on first use."""
-    if cfg.teacher.name_or_path:
-        return str(cfg.teacher.name_or_path)
-    tiny = cfg.teacher.tiny
-    shape = {"hidden_size": tiny.hidden_size, "num_layers": tiny.num_layers, "num_heads": tiny.num_heads,
-             "seq_len": cfg.data.seq_len, "vocab_size": tiny.vocab_size}
-    steps = {"train_steps": tiny.train_steps} if tiny.train_steps is not None else {}
-    if tiny.family == Family.bert:
-        return tiny_bert_dir(cfg.teacher.cache_dir, **shape, **steps)
-    return tiny_teacher_dir(cfg.teacher.cache_dir, **shape, **steps)
 
 
 def load_teacher(cfg: DictConfig, device: str | torch.device = "cpu") -> Teacher:

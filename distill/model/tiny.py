@@ -1,16 +1,16 @@
-"""The offline default teacher: a small Llama pre-trained briefly on the pydoc corpus.
+"""The offline default teacher: a small Llama (or BERT encoder) pre-trained briefly on the
+pydoc corpus.
 
 With no network there is no hub checkpoint to distill, and a randomly initialised
 teacher would make every distillation metric meaningless. So on first use we train a
 byte-level BPE tokenizer and pre-train a small LlamaForCausalLM on the *train* split
 of the pydoc corpus (the same split the app uses, so held-out numbers stay honest),
-then cache the result as an ordinary `save_pretrained` directory that
+then save the result as an ordinary `save_pretrained` directory that
 `Teacher.from_pretrained` and `AutoTokenizer.from_pretrained` load offline.
 
-The cache directory is named by a hash of every argument and of `RECIPE_VERSION`;
-it is written to a temporary directory and moved into place with `os.replace`
-under an `fcntl` lock, so concurrent first calls train once and nobody ever reads
-a half-written directory.
+What names a teacher is its recipe (``tiny_recipe.py``); where it is cached and who
+builds it, once, is ``tiny_cache.py``, which calls :func:`build_teacher` /
+:func:`build_bert` here on a cache miss.
 
 Shape legend:
     B: batch size (chunks per step)
@@ -20,18 +20,13 @@ Shape legend:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -52,21 +47,18 @@ from distill.model.data import (
     load_documents,
     split_documents,
 )
+from distill.model.tiny_recipe import (
+    EOS_TOKEN,
+    MASK_PROB,
+    MASK_TOKEN,
+    METRICS_FILE,
+    PAD_TOKEN,
+    TinyBertRecipe,
+    TinyRecipe,
+    special_tokens,
+)
 
 log = logging.getLogger(__name__)
-
-RECIPE_VERSION = 1
-"""Bump when the training recipe changes, so that stale caches are not reused."""
-
-METRICS_FILE = "distill_tiny.json"
-"""Written into the cached directory: arguments, held-out loss before/after, timings."""
-
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-MASK_TOKEN = "<|mask|>"
-"""The tiny BERT's mask token (masked-LM pre-training); the tiny Llama has none."""
-_NUM_BYTE_TOKENS = 256
-"""The byte-level alphabet every BPE vocabulary starts from."""
 
 _EVAL_CHUNKS = 64
 """Held-out chunks used to report loss before/after (enough for a stable estimate)."""
@@ -74,198 +66,7 @@ _EVAL_CHUNKS = 64
 _LOG_EVERY_STEPS = 50
 
 
-@dataclass(frozen=True)
-class TinyRecipe:
-    """Everything that determines the cached teacher; its hash names the cache dir."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    seq_len: int
-    vocab_size: int
-    train_steps: int
-    batch_size: int
-    lr: float
-    seed: int
-    recipe_version: int = RECIPE_VERSION
-
-    def digest(self) -> str:
-        """A short, stable hash of the recipe."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-BERT_RECIPE_VERSION = 1
-"""Bump when the tiny BERT's pre-training recipe changes."""
-
-BERT_TRAIN_STEPS = 800
-"""Masked-LM steps of the default tiny BERT (about a minute on 2 idle CPU cores)."""
-
-MASK_PROB = 0.15
-"""Share of tokens the masked-LM loss predicts (BERT's)."""
-
-
-@dataclass(frozen=True)
-class TinyBertRecipe:
-    """Everything that determines the cached tiny BERT; its hash names the cache dir."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    seq_len: int
-    vocab_size: int
-    train_steps: int
-    batch_size: int
-    lr: float
-    seed: int
-    mask_prob: float = MASK_PROB
-    recipe_version: int = BERT_RECIPE_VERSION
-
-    def digest(self) -> str:
-        """A short, stable hash of the recipe."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def tiny_teacher_dir(
-    cache_dir: str | None = None,
-    *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    seq_len: int = 128,
-    vocab_size: int = 1024,
-    train_steps: int = 1000,
-    batch_size: int = 8,
-    lr: float = 3e-3,
-    seed: int = 0,
-) -> str:
-    """Directory of the pre-trained tiny teacher (model + tokenizer), training it on first use.
-
-    `cache_dir` defaults to $DISTILL_CACHE, else ~/.cache/distill; the teacher lives in
-    its subdirectory tiny-<hash of all arguments>. The defaults pre-train in about a
-    minute on 2 idle CPU cores (1000 steps x 8 chunks x 128 tokens, ~0.06 s a step) to a
-    held-out perplexity near 23 (uniform would be 1024); small batches of many steps
-    gave lower perplexity per second than fewer, larger ones at this size.
-    """
-    recipe = TinyRecipe(
-        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
-        vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
-    )
-    _check_recipe(recipe, rotary=True)
-    return _cached(cache_dir, f"tiny-{recipe.digest()}", lambda out_dir: _build(recipe, out_dir))
-
-
-def tiny_bert_dir(
-    cache_dir: str | None = None,
-    *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    seq_len: int = 128,
-    vocab_size: int = 1024,
-    train_steps: int = BERT_TRAIN_STEPS,
-    batch_size: int = 16,
-    lr: float = 1e-3,
-    seed: int = 0,
-) -> str:
-    """Directory of the pre-trained tiny BERT encoder (model + tokenizer), training it on first use.
-
-    Masked-LM pre-training on the *train* split of the pydoc corpus (15% of tokens picked,
-    of which 80% masked, 10% random, 10% kept, as in BERT), cached under the same root and
-    lock as the tiny Llama, in its own subdirectory tiny-bert-<hash of all arguments>. The
-    saved model is the bare ``BertModel`` encoder (its pooler deterministic from ``seed``; the
-    MLM head is dropped): what an encoder student replaces. The defaults train in about a
-    minute on 2 idle CPU cores; a randomly initialised BERT's layers barely change their
-    input (every layer ends in a LayerNorm of ``x + small``), so a student of one scores a
-    cosine of 1.0 whatever it does, while these layers do real work: ``METRICS_FILE`` records
-    the held-out cosine of the teacher with every layer skipped (``identity_cosine``).
-    """
-    recipe = TinyBertRecipe(
-        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
-        vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
-    )
-    _check_recipe(recipe, rotary=False)
-    return _cached(cache_dir, f"tiny-bert-{recipe.digest()}", lambda out_dir: _build_bert(recipe, out_dir))
-
-
-def _check_recipe(recipe: TinyRecipe | TinyBertRecipe, rotary: bool) -> None:
-    """Reject arguments that cannot build a teacher, naming the argument and the fix."""
-    specials = _special_tokens(mask=not rotary)
-    min_vocab = _NUM_BYTE_TOKENS + len(specials)
-    if recipe.vocab_size < min_vocab:
-        raise ValueError(
-            f"`vocab_size={recipe.vocab_size}` is too small: a byte-level BPE needs at least "
-            f"{min_vocab} (256 bytes + {' + '.join(specials)})."
-        )
-    if recipe.hidden_size % recipe.num_heads or (rotary and (recipe.hidden_size // recipe.num_heads) % 2):
-        raise ValueError(
-            f"`hidden_size={recipe.hidden_size}` must split into `num_heads={recipe.num_heads}` "
-            + ("heads of even size (rotary embeddings rotate pairs)." if rotary else "heads.")
-        )
-    if min(recipe.num_layers, recipe.seq_len, recipe.train_steps, recipe.batch_size) < 1:
-        raise ValueError("`num_layers`, `seq_len`, `train_steps` and `batch_size` must be >= 1.")
-
-
-def _cache_root(cache_dir: str | None) -> str:
-    """`cache_dir`, else $DISTILL_CACHE, else ~/.cache/distill."""
-    root = cache_dir or os.environ.get("DISTILL_CACHE") or "~/.cache/distill"
-    return os.path.abspath(os.path.expanduser(root))
-
-
-@contextlib.contextmanager
-def _file_lock(lock_path: str) -> Iterator[None]:
-    """An exclusive `fcntl` lock held for the duration of the block."""
-    with open(lock_path, "a") as lock_file:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process building %s", lock_path[: -len(".lock")])
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-def _cached(cache_dir: str | None, name: str, build: Callable[[str], None]) -> str:
-    """``<cache root>/<name>``, built by ``build(tmp_dir)`` on first use under an exclusive lock."""
-    root = _cache_root(cache_dir)
-    final_dir = os.path.join(root, name)
-    if os.path.isdir(final_dir):
-        return final_dir
-    os.makedirs(root, exist_ok=True)
-    with _file_lock(final_dir + ".lock"):
-        if os.path.isdir(final_dir):  # another process finished while we waited
-            return final_dir
-        _build_atomically(build, root, final_dir)
-    return final_dir
-
-
-def _build_atomically(build: Callable[[str], None], root: str, final_dir: str) -> None:
-    """Build into a temporary directory next to `final_dir`, then move it into place."""
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.tmp-", dir=root)
-    try:
-        build(tmp_dir)
-        _make_readable(tmp_dir)
-        os.replace(tmp_dir, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    log.info("tiny teacher cached at %s", final_dir)
-
-
-def _make_readable(directory: str) -> None:
-    """mkdtemp (and safetensors) create private files; a shared cache must be readable."""
-    os.chmod(directory, 0o755)
-    for name in os.listdir(directory):
-        os.chmod(os.path.join(directory, name), 0o644)
-
-
-# ---------------------------------------------------------------------- build
-
-
-def _build(recipe: TinyRecipe, out_dir: str) -> None:
+def build_teacher(recipe: TinyRecipe, out_dir: str) -> None:
     """Train tokenizer and model, save both and the metrics into `out_dir`."""
     start_s = time.perf_counter()
     docs = load_documents("pydoc")
@@ -296,7 +97,7 @@ def train_tokenizer(
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(_special_tokens(mask)),
+        special_tokens=list(special_tokens(mask)),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -306,11 +107,6 @@ def train_tokenizer(
         tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         model_max_length=seq_len, **extra,
     )
-
-
-def _special_tokens(mask: bool) -> tuple[str, ...]:
-    """The special tokens of a tiny teacher's vocabulary, first in it."""
-    return (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN) if mask else (EOS_TOKEN, PAD_TOKEN)
 
 
 def _model_config(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
@@ -436,7 +232,7 @@ def heldout_loss(model: LlamaForCausalLM, chunks_NT: torch.Tensor, batch_size: i
 # ---------------------------------------------------------------------- the tiny BERT
 
 
-def _build_bert(recipe: TinyBertRecipe, out_dir: str) -> None:
+def build_bert(recipe: TinyBertRecipe, out_dir: str) -> None:
     """Tokenizer and masked-LM pre-training on the train split; saves the bare encoder."""
     start_s = time.perf_counter()
     docs = load_documents("pydoc")

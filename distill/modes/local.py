@@ -32,7 +32,7 @@ import zmq
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from distill.model.sources import teacher_source
+from distill.model.location import teacher_source
 from distill.modes.placement import plan_local
 from distill.modes.process import configure_logging, die_with_parent, exit_on_sigterm, run_dir
 from distill.pipeline import protocol
@@ -41,7 +41,7 @@ from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
 from distill.pipeline.protocol import Command
 from distill.results.record import add_time_split, read_result
-from distill.results.report import append_section
+from distill.results.report_file import append_section
 from distill.train.timing import cpu_seconds, format_time_split, read_teacher_times, time_split
 from distill.train.transport import ADD_WORKER_SCRIPT, curve_config, endpoints
 

@@ -18,7 +18,8 @@ from torch import nn
 from distill.model.assemble import export_student, load_student
 from distill.model.decode import measure_decode
 from distill.model.evaluate import EvalResult, evaluate, metric_kind, score_student
-from distill.model.sources import load_tokenizer, teacher_source
+from distill.model.location import teacher_source
+from distill.model.sources import load_tokenizer
 from distill.model.teacher import Teacher
 from distill.replacements import describe
 from distill.results.card import write_model_card

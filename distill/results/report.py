@@ -25,10 +25,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from distill.model.evaluate import EvalResult
+from distill.results.report_file import REPORT_FILE
 
 log = logging.getLogger(__name__)
 
-REPORT_FILE = "report.md"
 PLOT_FILE = "losses.png"
 HYBRID_PLOT_FILE = "hybrid.png"
 
@@ -202,15 +202,6 @@ def write_report(
         f.write("\n\n".join(sections) + "\n")
     log.info("report written to %s", path)
     return path
-
-
-def append_section(run_dir: str, markdown: str) -> None:
-    """Add a section to the end of an existing report.md (``mode=local``'s time split, which
-    only the supervisor can measure, after the student wrote the report); no report, no-op."""
-    path = os.path.join(run_dir, REPORT_FILE)
-    if os.path.exists(path):
-        with open(path, "a") as f:
-            f.write("\n" + markdown + "\n")
 
 
 def _config_section(config_summary: dict) -> str:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-from distill.model.sources import teacher_source
+from distill.model.location import teacher_source
 
 PROGRESS_FILE = "progress.json"
 BEST_FILE = "best.safetensors"

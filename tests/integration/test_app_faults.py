@@ -40,7 +40,7 @@ RUN_TIMEOUT_S = 180
 @pytest.fixture(scope="module")
 def teacher_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny teacher, built once here so that no child process waits on its training."""
-    from distill.model.tiny import tiny_teacher_dir
+    from distill.model.tiny_cache import tiny_teacher_dir
 
     cache = tmp_path_factory.mktemp("teacher")
     tiny_teacher_dir(str(cache), seq_len=SEQ_LEN, **TEACHER)

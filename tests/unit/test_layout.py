@@ -24,6 +24,8 @@ LAZY_IMPORTS = {
     ("distill.model.location", "transformers"): "only a hub name needs it; the start-up checks run in "
                                                 "every mode, the broker included",
     ("distill.model.data", "datasets"): "~1 s to import, only data.source=hf_dataset needs it",
+    ("distill.model.tiny_cache", "distill.model.tiny"): "pre-training needs transformers; a cache hit, "
+                                                        "what mode=local's supervisor meets, does not",
     ("distill.model.harness", "lm_eval"): "an optional extra (.[eval]) that only mode=eval needs",
 }
 """(module, imported module) -> why it is imported inside a function."""

@@ -139,3 +139,12 @@ def test_the_time_split_lands_in_result_json_and_report_md(children, tmp_path: P
     assert split[other] == pytest.approx(1.0)
     report = (tmp_path / "report.md").read_text()
     assert "## Where the time went" in report and "| student compute | 6.0 | 60% |" in report
+
+
+def test_the_supervisor_starts_without_transformers_or_matplotlib() -> None:
+    """Every mode=local job starts its supervisor first; the models and the report's plots are
+    the children's business (about 3 s of imports a job, in a test suite of 20 jobs)."""
+    code = ("import sys, distill.modes.local, distill.modes.checks; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'matplotlib', 'tokenizers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
