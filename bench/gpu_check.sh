@@ -33,7 +33,7 @@ step() {
 SHARE=true
 [ "$GPUS" -ge 2 ] && SHARE=false  # two GPUs: the teacher on cuda:0, the student on cuda:1
 
-step pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider
+step pytest 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -n 0
 step teacher 110 "$PY" bench/teacher.py --device cuda --quick
 step staging 60 "$PY" bench/cuda_staging.py --size 4 --seconds 3
 step run 150 "$PY" -m distill device=gpu device.share_gpu=$SHARE "hydra.run.dir=$OUT/run" \

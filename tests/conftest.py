@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing as mp
 import os
 import signal
@@ -15,6 +16,36 @@ import pytest
 from distill.pipeline.mediums.shm import list_segments, owner_state
 
 SPAWN = mp.get_context("spawn")
+
+
+def shared_tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every pytest-xdist worker of this session shares (each worker has a
+    base temp directory of its own under it); the base temp directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True)
+def alone_when_marked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it: every
+    test holds a shared lock, an ``alone`` one the exclusive lock. The ``alone`` test waits
+    at a gate it holds meanwhile, so the other worker cannot keep taking shared locks
+    between its tests and starve it. Without xdist there is nobody else: no locks."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    root = shared_tmp_root(tmp_path_factory)
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(root / "alone.gate", "a") as gate, open(root / "alone.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -29,10 +29,10 @@ def _tiny(tmp_path: Path, layers: int = 3) -> list[str]:
 
 
 def shared_tiny_cache(tmp_path: Path) -> Path:
-    """The test session's tiny-teacher cache, beside every test's own tmp_path: each tiny
-    shape is built once per session (5-9 s each; the cache's own lock serialises the first
-    build) instead of once per test."""
-    return tmp_path.parent / "tiny-cache"
+    """The test session's tiny-teacher cache, beside every test's own tmp_path (above the
+    pytest-xdist workers' own directories, which share it): each tiny shape is built once per
+    session (5-9 s each; the cache's own lock serialises the first build) instead of once per test."""
+    return (tmp_path.parent.parent if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path.parent) / "tiny-cache"
 
 
 def _cmd(overrides: list[str], run_dir: Path) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.integration.test_app import RUN_TIMEOUT_S, _cmd, _env, _tiny, _wait_for, _wait_gone
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.alone]
 
 SLEEP_S = 0.1
 """Per batch of up to 8 (``pipeline.worker_max_batch``): 80 samples/s a worker. Each of the 5

@@ -23,7 +23,7 @@ from tests.hostile import FLOOD_KINDS, fetch_stats, run_flooder
 from tests.procfs import rss_bytes
 
 log = logging.getLogger(__name__)
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 
 QUIET_S, FLOOD_S = 1.5, 2.5
 MAX_STATS_WAIT_S = 1.0

@@ -17,7 +17,7 @@ import pytest
 from distill.pipeline import Broker, StudentClient
 from tests import peers
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.alone]
 
 BEAT_S = 0.2
 SLOTS = 16
