@@ -25,31 +25,52 @@ def shared_tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+class Turn:
+    """The lock every test holds under pytest-xdist: shared, or exclusive for an ``alone``
+    test. Whoever wants it exclusive waits at a gate it holds meanwhile, so the other
+    worker cannot keep taking shared locks between its tests and starve it."""
+
+    def __init__(self, root: Path) -> None:
+        self._gate = open(root / "turn.gate", "a")  # noqa: SIM115 (held across the test)
+        self._lock = open(root / "turn.lock", "a")  # noqa: SIM115
+
+    def take(self, exclusive: bool) -> None:
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+
+    def alone_from_now(self) -> None:
+        """Wait until the test beside this one (on the other worker) has ended, then hold
+        the lock exclusively: what is in /dev/shm from then on is this test's doing."""
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self.take(exclusive=True)
+
+    def close(self) -> None:
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._gate.close()
+        self._lock.close()
+
+
 @pytest.fixture(autouse=True)
-def alone_when_marked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it: every
-    test holds a shared lock, an ``alone`` one the exclusive lock. The ``alone`` test waits
-    at a gate it holds meanwhile, so the other worker cannot keep taking shared locks
-    between its tests and starve it. Without xdist there is nobody else: no locks."""
+def xdist_turn(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turn | None]:
+    """Under pytest-xdist, a test marked ``alone`` runs with no other test beside it (it
+    measures rates or shares against the clock). Without xdist there is nobody beside
+    any test: no lock, None."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
+        yield None
         return
-    root = shared_tmp_root(tmp_path_factory)
-    alone = request.node.get_closest_marker("alone") is not None
-    with open(root / "alone.gate", "a") as gate, open(root / "alone.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    turn = Turn(shared_tmp_root(tmp_path_factory))
+    turn.take(exclusive=request.node.get_closest_marker("alone") is not None)
+    try:
+        yield turn
+    finally:
+        turn.close()
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_shared_memory() -> Iterator[None]:
+def no_leaked_shared_memory(xdist_turn: Turn | None) -> Iterator[None]:
     """Fail any test that leaves one of our segments in /dev/shm.
 
     A leak is a segment that appeared during the test and is either ownerless (its
@@ -57,17 +78,31 @@ def no_leaked_shared_memory() -> Iterator[None]:
     process. Live segments of unrelated processes (another test run, a benchmark)
     are neither counted nor touched, nor is anything that is not a regular file of
     this user (looked at without blocking: ``owner_state``).
+
+    Under pytest-xdist an ownerless segment may be the test beside this one's (a rank it
+    killed, whose segments its own restart sweeps): a test that sees one waits until the
+    other test has ended (``Turn.alone_from_now``), by when that test has either swept
+    its segments or been failed for them by its own check, and judges what is left.
     """
     before = set(list_segments())
     yield
-    deadline = time.monotonic() + 5
-    while (leaked := _leaked(before)) and time.monotonic() < deadline:
-        time.sleep(0.05)  # children may still be exiting
+    leaked = _settled_leaks(before)
+    if leaked and xdist_turn is not None:
+        xdist_turn.alone_from_now()
+        leaked = _settled_leaks(before)
     if leaked:
         for name in leaked:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
         pytest.fail(f"test leaked shared memory segments: {sorted(leaked)}")
+
+
+def _settled_leaks(before: set[str], wait_s: float = 5.0) -> set[str]:
+    """The leaks once this test's children have had ``wait_s`` to finish exiting."""
+    deadline = time.monotonic() + wait_s
+    while (leaked := _leaked(before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return leaked
 
 
 def _leaked(before: set[str]) -> set[str]:
