@@ -161,11 +161,8 @@ class BatchConfig:
 
     def write(self, buf: Buffer, **tensors: torch.Tensor) -> None:
         """Copy the named tensors straight into ``buf`` (at least ``nbytes()`` long)."""
+        self._check_names(tensors, "write")
         views = self.decode(buf)
-        missing = set(views) - set(tensors)
-        extra = set(tensors) - set(views)
-        if missing or extra:
-            raise ValueError(f"BatchConfig.write: missing {sorted(missing)}, unexpected {sorted(extra)}")
         for name, view in views.items():
             src = tensors[name]
             if tuple(src.shape) != tuple(view.shape):

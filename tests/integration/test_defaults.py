@@ -8,7 +8,9 @@ the DataLoader's batching must work on top. Figures: ``bench/pipeline.py --defau
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -88,6 +90,18 @@ class _Once(torch.utils.data.IterableDataset):
         return self.samples
 
 
+@contextlib.contextmanager
+def _readme_dataset(endpoints: dict[str, str], config, client_slots: int) -> Iterator[DistillIterableDataset]:
+    """The seed README's student (its leader client, the model set) and its dataset of
+    ``SLOTS`` slots, positional arguments as the README's API lists them."""
+    with StudentClient(0, client_slots, config, endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"]) as client:
+        client.hello()
+        client.set_model("my_model")
+        yield DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
+                                     timeout_s=30)
+
+
 def test_lent_samples_cross_a_dataloader_worker_intact(procs, endpoints) -> None:
     """A DataLoader worker pickles each lent sample into shared memory (its loan then
     ends): the batches the training process gets are exact, and the pool keeps cycling."""
@@ -95,12 +109,7 @@ def test_lent_samples_cross_a_dataloader_worker_intact(procs, endpoints) -> None
     config = peers.readme_config(sample_bytes)
     procs.start(peers.run_broker, endpoints, name="broker")
     procs.start(peers.run_readme_worker, endpoints, sample_bytes, name="worker")
-    with StudentClient(0, 2, config, endpoints["frontend"], endpoints["control"],
-                       endpoints["control_pub"]) as client:
-        client.hello()
-        client.set_model("my_model")
-        dataset = DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
-                                         timeout_s=30)
+    with _readme_dataset(endpoints, config, client_slots=2) as dataset:
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
         seen: set[tuple[int, int]] = set()
         for count, sample in enumerate(loader):
@@ -117,12 +126,7 @@ def test_a_generator_returning_tensors_delivers_exact_samples_beside_a_bytes_one
     procs.start(peers.run_broker, endpoints, name="broker")
     tensors = procs.start(peers.run_tensor_worker, endpoints, sample_bytes, name="tensor-worker")
     procs.start(peers.run_readme_worker, endpoints, sample_bytes, name="bytes-worker")
-    with StudentClient(0, 16, config, endpoints["frontend"], endpoints["control"],
-                       endpoints["control_pub"]) as client:
-        client.hello()
-        client.set_model("my_model")
-        dataset = DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
-                                         timeout_s=30)
+    with _readme_dataset(endpoints, config, client_slots=16) as dataset:
         samples, seen = iter(dataset), set()
         started = time.monotonic()
         try:  # until the tensor worker has delivered (both share the slots, once both are up)
