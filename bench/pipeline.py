@@ -690,6 +690,7 @@ def bench_pipeline(size: Size, seconds: float, transport: Transport, consumers: 
                 with StudentClient(0, slots, config, endpoints["frontend"], endpoints["control"],
                                    endpoints["control_pub"], curve=transport.student) as client:
                     client.hello()
+                    _settle(client, count)
                     client.set_model(f"bench-{size.sample_bytes}")
                     with _pipeline_step(size, client, config, endpoints, consumer, transport.student) as step:
                         yield measure(size, f"pipeline/{consumer}{suffix}", count, step, seconds, roles)
@@ -730,6 +731,7 @@ def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker
             with StudentClient(0, README_CLIENT_SLOTS, config, endpoints["frontend"], endpoints["control"],
                                endpoints["control_pub"]) as client:
                 client.hello()
+                _settle(client, count)
                 client.set_model(f"defaults-{size.sample_bytes}-{count}-{len(method)}")
                 dataset = DistillIterableDataset(0, client.generation_value, slots, config,
                                                  endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S)
@@ -738,6 +740,17 @@ def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker
                     yield measure(size, method, count, _one_by_one(samples, batch), seconds, roles)
                 finally:
                     samples.close()
+
+
+def _settle(client: StudentClient, workers: int, timeout_s: float = 15.0) -> None:
+    """Wait until the broker counts exactly ``workers`` live workers: the previous cell's,
+    stopped without a goodbye, count until their heartbeats lapse (3 s), and a student
+    splits its slots among every worker the broker counts (``custody.direct_share``)."""
+    deadline = time.monotonic() + timeout_s
+    while client.live_workers != workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if client.live_workers != workers:
+        print(f"  (the broker still counts {client.live_workers} workers, not {workers})", file=sys.stderr)
 
 
 def _one_by_one(samples: Iterator[dict[str, torch.Tensor]], batch: torch.Tensor) -> Callable[[], int]:
