@@ -6,8 +6,10 @@ padding, so that ``nbytes()`` is the plain sum of the tensors' sizes (the seed
 README's contract: ``(512, 768) bfloat16 + (512,) int64 -> 790528``).
 
 ``decode`` returns views into the buffer it is given (no copy); ``encode`` makes
-``bytes``; ``write`` copies tensors straight into a writable buffer, and ``copy_into``
-into views ``decode`` made once (the paths workers use to fill shared-memory slots).
+``bytes`` (inside a worker's ``generator_fn``, large samples go straight into the slot
+being filled instead: ``encode_sink.py``); ``write`` copies tensors straight into a
+writable buffer, and ``copy_into`` into views ``decode`` made once (the paths workers
+use to fill shared-memory slots).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from distill.pipeline import encode_sink
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -151,7 +155,20 @@ class BatchConfig:
                 src = src.detach().to("cpu", dtype).contiguous()
             flat = src.reshape(-1)
             parts.append((flat if dtype.itemsize == 1 else flat.view(torch.uint8)).numpy())
+        payload = encode_sink.take_slot(self._nbytes)
+        if payload is not None:  # a worker's generator_fn is filling this slot
+            return self._encode_into(payload, parts)
         return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+
+    def _encode_into(self, payload: memoryview, parts: list) -> memoryview:
+        """``encode`` into the slot a worker's generator is filling (``encode_sink.py``): the
+        same bytes, each tensor's written straight into place; returns a read-only view of
+        the sample there."""
+        for (_, offset, nbytes, _), part in zip(self._layout, parts, strict=True):
+            payload[offset:offset + nbytes] = part
+        view = payload[:self._nbytes].toreadonly()
+        encode_sink.note_written(view)
+        return view
 
     def _check_names(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
         missing = {s.name for s in self.specs} - set(tensors)
@@ -195,13 +212,8 @@ class BatchConfig:
                 raise ValueError(f"tensor {name!r}: dtype {src.dtype} != spec {dtype}: convert it "
                                  f"(.to({dtype})) or change the BatchConfig")
             sources.append(src.detach() if src.requires_grad else src)  # no autograd history on the views
-        for (name, _, nbytes, _), src in zip(self._layout, sources, strict=True):
-            view = views[name]
-            if nbytes >= LARGE_ROW_BYTES and src.device.type == "cpu" and src.is_contiguous() \
-                    and view.is_contiguous():
-                ctypes.memmove(view.data_ptr(), src.data_ptr(), nbytes)  # as in copy_rows: rep movsb
-            else:
-                view.copy_(src)
+        for (name, _, nbytes, dtype), src in zip(self._layout, sources, strict=True):
+            _copy_tensor(views[name], src, nbytes, dtype)
 
     def decode(self, data: Buffer) -> dict[str, torch.Tensor]:
         """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""
@@ -338,6 +350,16 @@ def _memmove_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Both byte matrices on the CPU, rows of equal width, each row contiguous in memory."""
     return (_memmove_source(src) and dst.device.type == "cpu" and dst.dtype == torch.uint8 and dst.dim() == 2
             and src.shape[1] == dst.shape[1] and dst.is_contiguous())
+
+
+def _copy_tensor(view: torch.Tensor, src: torch.Tensor, nbytes: int, dtype: torch.dtype) -> None:
+    """``view.copy_(src)``; a large contiguous CPU tensor of the view's dtype goes through
+    ``memmove`` instead, as in :func:`copy_rows` (``rep movsb``)."""
+    if nbytes >= LARGE_ROW_BYTES and src.dtype is dtype and src.device.type == "cpu" and src.is_contiguous() \
+            and view.is_contiguous():
+        ctypes.memmove(view.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        view.copy_(src)
 
 
 def _as_spec(spec: TensorSpec | Mapping[str, Any]) -> TensorSpec:

@@ -243,9 +243,13 @@ class DistillIterableDataset(IterableDataset):
     def _lent_samples(self, pool: SlotPool, loans: SlotLoans) -> Iterator[dict[str, torch.Tensor]]:
         """Large samples: views of their slots while the consumer holds them. No more slots
         are taken than may be lent (a consumer that holds the limit gets copies, one at a
-        time); slots whose loans ended are asked for again a quarter of the ring at a time
-        (and before any wait), so a worker fills several per wake-up."""
+        time); slots whose loans ended are asked for again half the ring at a time (and
+        before any wait): the workers fill one half while the consumer reads the other, and
+        each round trip (a DIRECT, a notice, the headers checked: about 140 us of the
+        consumer's CPU here) is spread over half the ring, not a quarter (256 KiB samples,
+        the ring chosen: 23.6k -> 27.6k samples/s, ``bench/pipeline.py --defaults``)."""
         with_meta = self.config.with_meta
+        regroup = max(1, pool.config.slot_count // 2)
         payloads: dict[int, memoryview] = {}  # each slot's payload view, made once
         while True:
             pool.release_many(loans.returned())
@@ -267,7 +271,7 @@ class DistillIterableDataset(IterableDataset):
                     sample.update(self._meta(pool, gen, req, fill))
                 yield sample
                 del sample  # ours no longer: its loan ends when the consumer lets go
-                if loans.waiting() >= pool.request_batch:  # asked for in groups: one ask, one datagram
+                if loans.waiting() >= regroup:  # asked for in groups: one ask, one datagram
                     pool.release_many(loans.returned())
                     pool.flush()
 

@@ -38,9 +38,13 @@ FALLBACK_CACHE_BYTES = 32 << 20
 RING_CACHE_FRACTION = 0.5
 """A ring's share of the last-level cache: the student's batch and everything else the
 processes touch need the rest."""
-MAX_RING_BYTES = 16 << 20
-"""A ring's bytes at most, however large the cache says it is (measured best here: 8 MiB
-of 4 KiB samples, 32 MiB of 256 KiB, 12 MiB of 4 MiB; ``bench/pipeline.py``)."""
+MAX_RING_BYTES = 32 << 20
+"""A ring's bytes at most, however large the cache says it is. Measured best on a machine
+with a 32 MiB-class L3: 8 MiB of 4 KiB samples, 32 MiB of 256 KiB, 12 MiB of 4 MiB; on
+one whose L3 reads 480 MiB (a VM's share of it is less), one ``batch_fn`` worker: 256 KiB
+samples 29.5k samples/s with 63 slots, 32.5k with 128 (32 MiB), 24.6k with 192; 4 MiB
+samples 2.0k with 3 slots, 2.3k with 4, 2.5k with 6-8 (32 MiB), bimodal from 12 up
+(1.4-2.7k). Past 32 MiB the worker's writes stop finding the ring in cache."""
 MIN_SLOTS, MAX_SLOTS = 3, 4096
 """At least one slot being filled, one being read and one ready; at most what a REQUEST
 carries comfortably."""

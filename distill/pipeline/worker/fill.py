@@ -8,7 +8,8 @@ worker cannot map gets a fresh staging buffer per slot instead (sent by
 ``commit.py``). Then the sample function runs once per batch:
 
 - ``generator_fn(model_id, model_cfg)`` (the seed README's, per sample): the bytes it
-  returns are copied into the slot; a mapping name -> tensor it returns instead is
+  returns are copied into the slot, except a large sample's ``BatchConfig.encode``,
+  which writes straight into the slot while the generator runs (``encode_sink.py``); a mapping name -> tensor it returns instead is
   checked against ``batch_config`` and each tensor copied straight into the slot's
   views (``BatchConfig.copy_into``: no ``encode``, no bytes, two passes over every
   sample fewer). A sample that does not fit, or tensors that are not the config's,
@@ -24,6 +25,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from distill.pipeline import encode_sink
 from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium, medium_label
 from distill.pipeline.protocol import Message, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES
@@ -177,9 +179,23 @@ class Filler:
         return [self._generate_one(model_id, model_cfg, t) for t in targets], None
 
     def _generate_one(self, model_id: str, model_cfg: dict | None, target: SlotTarget) -> int:
-        data = self.generator_fn(model_id, model_cfg)
+        data, in_slot = None, 0
+        encode_sink.open_slot(target.payload)  # a large BatchConfig.encode lands in the slot itself
+        try:
+            data = self.generator_fn(model_id, model_cfg)
+        finally:
+            written = encode_sink.close_slot()
+            if written is not None:
+                in_slot = written.nbytes if data is written else 0
+                encode_sink.release(written)
+        if in_slot:  # the sample is in the slot already: nothing to copy
+            return in_slot
         if isinstance(data, Mapping):
             return self._write_tensors(data, target)
+        if isinstance(data, memoryview) and _released(data):
+            target.failure = KEPT_VIEW
+            self._refusals.warning("worker %s: %s", self.peer_id, KEPT_VIEW)
+            return -1
         if len(data) > len(target.payload):
             log.error("generator returned %d bytes; slot_size is %d", len(data), len(target.payload))
             return -1
@@ -204,6 +220,20 @@ class Filler:
 
 NO_LAYOUT = ("generator_fn returned tensors by name, but the Worker has no batch_config: pass "
              "Worker(batch_config=...) (the students' BatchConfig) so it knows where each tensor goes")
+
+
+KEPT_VIEW = ("generator_fn returned what BatchConfig.encode gave it in an earlier call: inside a worker, "
+             "encode writes a large sample straight into the slot being filled and its result is valid only "
+             "until generator_fn returns; keep bytes(data) instead")
+
+
+def _released(view: memoryview) -> bool:
+    """Whether ``view`` was released (an encode result kept past its call)."""
+    try:
+        len(view)
+    except ValueError:
+        return True
+    return False
 
 
 def _label(medium: str) -> str:

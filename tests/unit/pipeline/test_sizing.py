@@ -47,9 +47,12 @@ def test_without_sysfs_the_cache_comes_from_sysconf_or_the_fallback(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("sample", "cache", "slots"), [
-    (4 * KIB, 32 * MIB, sizing.MAX_RING_BYTES // slot_stride(4 * KIB)),   # 16 MiB of 4 KiB: ~4000 slots
-    (256 * KIB, 32 * MIB, sizing.MAX_RING_BYTES // slot_stride(256 * KIB)),
-    (4 * MIB, 480 * MIB, 3),            # a huge cache still gives a ring of MAX_RING_BYTES
+    (4 * KIB, 32 * MIB, (16 * MIB) // slot_stride(4 * KIB)),   # half the cache: ~4000 slots of 4 KiB
+    (4 * KIB, 480 * MIB, sizing.MAX_SLOTS),                      # at most MAX_SLOTS
+    (256 * KIB, 32 * MIB, 63),          # 16 MiB: half a 32 MiB cache
+    (256 * KIB, 480 * MIB, 127),        # a huge cache: MAX_RING_BYTES, 32 MiB
+    (4 * MIB, 480 * MIB, 7),            # (strides are a header longer than the sample)
+    (4 * MIB, 32 * MIB, 3),
     (4 * MIB, 8 * MIB, sizing.MIN_SLOTS),  # a small cache: never fewer than MIN_SLOTS
     (256 * KIB, 4 * MIB, 7),            # half of a 4 MiB cache
     (16, 32 * MIB, sizing.MAX_SLOTS),   # tiny samples: capped

@@ -20,7 +20,7 @@ from distill.pipeline.slot import HEADER_BYTES, HeaderTable, check_slot, slot_st
 from distill.pipeline.worker import claims
 from distill.pipeline.worker.commit import Committer
 from distill.pipeline.worker.config import SlotTarget
-from distill.pipeline.worker.fill import NO_LAYOUT, Filler, Run
+from distill.pipeline.worker.fill import KEPT_VIEW, NO_LAYOUT, Filler, Run
 from distill.pipeline.worker.segments import Segments
 from tests import peers
 
@@ -140,13 +140,14 @@ def test_segments_refuse_other_sample_sizes_and_foreign_geometry(segment) -> Non
         segments.slot(mapped, 4, STRIDE)
 
 
-def _fill_once(owner: SharedMemoryManager, segments: Segments, config: WorkerConfig, generator_fn) -> dict:
+def _fill_once(owner: SharedMemoryManager, segments: Segments, config: WorkerConfig, generator_fn,
+               stride: int = STRIDE) -> dict:
     """One WORK over the segment's four slots, through the worker's Filler and Committer:
     the failures by item (each slot asked for fill 10 + its index, generation 3)."""
     me = new_writer_id()
-    HeaderTable(owner.buf, STRIDE).ask([0, 1, 2, 3], [10, 11, 12, 13])
+    HeaderTable(owner.buf, stride).ask([0, 1, 2, 3], [10, 11, 12, 13])
     filler = Filler(config, generator_fn, None, segments, TcpSender(), me, "test")
-    body = {"work_id": 1, "items": [[owner.buf_name, idx, STRIDE, 10 + idx] for idx in range(4)]}
+    body = {"work_id": 1, "items": [[owner.buf_name, idx, stride, 10 + idx] for idx in range(4)]}
     runs: list[Run] = []
     failed: dict = {}
     assert filler.add_targets(body, 3, runs, failed, range(4)) == []
@@ -189,3 +190,39 @@ def test_a_generator_returning_tensors_without_a_batch_config_is_told_to_pass_on
         finally:
             segments.close()
     assert failed == dict.fromkeys(range(4), NO_LAYOUT) and "Worker(batch_config=" in NO_LAYOUT
+
+
+def test_a_large_encode_is_written_into_the_slot_once_and_a_kept_result_fails_its_slot() -> None:
+    """The seed README's generator (``return config.encode(...)``, a Worker with only
+    ``slot_size``) on samples over ``ENCODE_INTO_MIN_BYTES``: the sample is in the slot
+    without a second copy; a generator that returns an earlier call's result fails that
+    slot with why, and the worker goes on."""
+    config = peers.batch_config(floats=20_000)
+    payload = config.nbytes()
+    stride = slot_stride(payload)
+    calls: list = []
+
+    def generate(model_id: str, model_cfg: dict | None):
+        call = len(calls)
+        x = torch.arange(20_000, dtype=torch.float32) + 100 * call
+        data = config.encode(x=x, tag=torch.tensor([call, 7]))
+        calls.append(data)
+        if call == 1:
+            return calls[0]  # kept from the call before: released, refused
+        if call == 2:
+            return config.encode(x=x + 1, tag=torch.tensor([call, 8]))  # the second encode: bytes
+        return data
+
+    with SharedMemoryManager(4, stride, run_id="gen", payload_bytes=payload) as owner:
+        segments = Segments(payload, None)
+        try:
+            failed = _fill_once(owner, segments, WorkerConfig(slot_size=payload), generate, stride)
+            assert failed == {1: KEPT_VIEW} and "bytes(data)" in KEPT_VIEW
+            assert isinstance(calls[0], memoryview) and type(calls[2]) is memoryview
+            for slot, (shift, tag) in {0: (0, [0, 7]), 2: (201, [2, 8]), 3: (300, [3, 7])}.items():
+                assert check_slot(owner.slot_view(slot), 3, 10 + slot, payload) is None
+                sample = config.decode(owner.slot_view(slot)[HEADER_BYTES:HEADER_BYTES + payload])
+                assert torch.equal(sample["x"], torch.arange(20_000, dtype=torch.float32) + shift)
+                assert sample["tag"].tolist() == tag
+        finally:
+            segments.close()

@@ -1,0 +1,76 @@
+"""Where ``BatchConfig.encode`` writes while a worker's ``generator_fn`` runs.
+
+Why: the seed README's worker returns ``config.encode(x=..., y=...)``, bytes that the
+worker then copies into the student's slot. For large samples those are two full
+passes over every sample on top of the generator's own work (4 MiB: the README worker
+ran at 0.40 of a ``batch_fn`` worker that writes into the slot, ``bench/pipeline.py
+--defaults``), and for a GPU teacher a device-to-host copy into fresh memory first.
+So while the worker calls ``generator_fn`` for one slot, that slot's payload is *open*
+here, and the first ``encode`` of a sample of at least ``ENCODE_INTO_MIN_BYTES`` that
+fits writes the tensors straight into it (one copy, GPU tensors included) and returns a
+read-only ``memoryview`` of what it wrote instead of new ``bytes``. The worker sees the
+generator return that very view and has nothing left to copy.
+
+What the generator gets is bytes-like (``len``, slicing, ``bytes(...)``, comparison,
+hashing) and holds the sample, but it *is* the slot: it is released when the
+generator returns, so keeping it for a later call fails loudly (the worker fails that
+slot saying so) instead of handing out a slot the student has since reused. A
+generator that needs to keep the bytes takes ``bytes(data)``. Later ``encode`` calls of
+the same call, smaller samples, other threads and code outside a worker get ``bytes``
+as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+ENCODE_INTO_MIN_BYTES = 64 << 10
+"""Samples of at least this many bytes are encoded into the open slot. Below it the bytes
+cost less than the views the slot write needs (the same threshold as the student's loans,
+``loans.LEND_MIN_BYTES``), and ``encode`` keeps returning plain ``bytes``."""
+
+
+class _Sink(threading.local):
+    payload: memoryview | None = None
+    """The open slot's payload (None: no worker is calling a generator on this thread)."""
+    written: memoryview | None = None
+    """What ``encode`` wrote into it and returned."""
+
+
+_sink = _Sink()
+
+
+def open_slot(payload: memoryview) -> None:
+    """A worker is about to call ``generator_fn`` for the slot whose payload this is."""
+    _sink.payload, _sink.written = payload, None
+
+
+def take_slot(nbytes: int) -> memoryview | None:
+    """The open payload for an ``encode`` of ``nbytes`` bytes, taken (only the first
+    ``encode`` of a call writes into the slot), or None: encode into new bytes."""
+    payload = _sink.payload
+    if payload is None or nbytes < ENCODE_INTO_MIN_BYTES or len(payload) < nbytes:
+        return None
+    _sink.payload = None
+    return payload
+
+
+def note_written(view: memoryview) -> None:
+    """``encode`` wrote the sample into the taken payload and returns ``view`` of it."""
+    _sink.written = view
+
+
+def close_slot() -> memoryview | None:
+    """The generator returned: the view ``encode`` handed out for this slot, if any
+    (compare it with what the generator returned, then :func:`release`)."""
+    written = _sink.written
+    _sink.payload, _sink.written = None, None
+    return written
+
+
+def release(view: memoryview) -> None:
+    """End the handed-out view, so a generator that kept it cannot use it on a later call
+    (a view the caller exported further, e.g. into numpy, stays: that is theirs)."""
+    with contextlib.suppress(BufferError):
+        view.release()
