@@ -22,6 +22,11 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   slots when it has none; the consumer blocks on the first pipe and sends back each
   run it copied. Two small messages per slot, straight between the two processes (no
   broker, no ZeroMQ I/O threads): the ceiling of a transport that does not spin.
+- ``copy + pipe handoff`` (method ``pipecopy``; ``--defaults`` adds it and ``pipe``):
+  the same, but each producer makes the sample in a buffer of its own and copies it into
+  the slot, as a worker must for a ``generator_fn`` that returns its sample (bytes or
+  tensors): the ceiling of any transport that serves that API, against which the
+  README's generator rows are set.
 - ``mp.Queue``: 1 or 2 producer processes put tensors on a
   ``torch.multiprocessing`` queue; the consumer copies each one into the batch.
 - ``DataLoader``: a ``torch.utils.data.DataLoader`` with 2 worker processes
@@ -137,7 +142,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -386,18 +391,25 @@ def run_handoff_producer(parent_pid: int, ready, ring: torch.Tensor, flags: torc
             full[slot] = 1  # x86 keeps stores in order: the flag lands after the sample
 
 
-def run_pipe_producer(parent_pid: int, ready, ring: torch.Tensor, filled, freed) -> None:
+def run_pipe_producer(parent_pid: int, ready, ring: torch.Tensor, filled, freed, own_buffer: bool = False) -> None:
     """Pipe handoff: fill a free slot and send its index on ``filled``; with no slot
-    free, sleep on ``freed`` until the consumer sends some back."""
+    free, sleep on ``freed`` until the consumer sends some back. ``own_buffer``: fill a
+    buffer of the producer's own and copy it into the slot (``memmove``), as a
+    ``generator_fn`` that makes its sample and returns it must be served."""
     child_init(parent_pid)
     ready.set()
     free = collections.deque(range(len(ring)))
+    scratch = torch.empty(ring.shape[1:], dtype=ring.dtype) if own_buffer else None
     counter = 0
     while True:
         if not free:
             free.extend(np.frombuffer(freed.recv_bytes(), dtype=np.int32).tolist())
         slot = free.popleft()
-        fill_sample(ring[slot], counter)
+        if scratch is None:
+            fill_sample(ring[slot], counter)
+        else:
+            fill_sample(scratch, counter)
+            ctypes.memmove(ring[slot].data_ptr(), scratch.data_ptr(), scratch.numel())
         counter += 1
         filled.send_bytes(np.int32(slot).tobytes())
 
@@ -558,14 +570,15 @@ def _take_run(ring: torch.Tensor, full: np.ndarray, cursors: list[int], turn: in
     return run
 
 
-def bench_pipe_handoff(size: Size, seconds: float) -> Iterator[Result]:
+def bench_pipe_handoff(size: Size, seconds: float, own_buffer: bool = False) -> Iterator[Result]:
     """1, then 2 producers with rings as in ``bench_handoff``; slots are handed over by
-    blocking pipe messages instead of polled flags."""
+    blocking pipe messages instead of polled flags (``own_buffer``: each sample made in
+    the producer's own buffer, then copied into its slot)."""
     for count in (1, 2):
-        yield _pipe_cell(size, seconds, _shared_rings(size, count))
+        yield _pipe_cell(size, seconds, _shared_rings(size, count), own_buffer)
 
 
-def _pipe_cell(size: Size, seconds: float, rings: list[torch.Tensor]) -> Result:
+def _pipe_cell(size: Size, seconds: float, rings: list[torch.Tensor], own_buffer: bool = False) -> Result:
     """The consumer takes the rings in turn: it sleeps until a slot is filled, copies it
     and any others already filled (up to the batch), and sends their indices back."""
     batch, turn = _batch(size), 0
@@ -574,7 +587,7 @@ def _pipe_cell(size: Size, seconds: float, rings: list[torch.Tensor]) -> Result:
         for ring in rings:
             filled_out, filled_in = SPAWN.Pipe(duplex=False)
             freed_out, freed_in = SPAWN.Pipe(duplex=False)
-            producers.append(kids.start(run_pipe_producer, ring, filled_in, freed_out))
+            producers.append(kids.start(run_pipe_producer, ring, filled_in, freed_out, own_buffer))
             pipes.append((filled_out, freed_in))
 
         def step() -> int:
@@ -591,8 +604,13 @@ def _pipe_cell(size: Size, seconds: float, rings: list[torch.Tensor]) -> Result:
                 done += len(slots)
             return size.batch_size
 
-        return measure(size, "pipe handoff", len(rings), step, seconds,
+        return measure(size, PIPE_COPY if own_buffer else "pipe handoff", len(rings), step, seconds,
                        {"consumer": [os.getpid()], "producers": producers})
+
+
+PIPE_COPY = "copy + pipe handoff"
+"""The pipe handoff whose producers make each sample in their own buffer and copy it into
+the slot: the ceiling of any transport serving a ``generator_fn`` that returns its sample."""
 
 
 def bench_queue(size: Size, seconds: float) -> Iterator[Result]:
@@ -800,33 +818,58 @@ def bench_softs(size: Size, seconds: float, sock_dir: str) -> Iterator[Result]:
 
 
 def print_defaults(results: list[Result], sizes: tuple[Size, ...]) -> None:
-    """The README's defaults beside the best tuned pipeline cell, same size and workers."""
+    """The README's defaults beside the best tuned pipeline cell, same size, workers and
+    round; with ``--rounds``, each figure is the median over the rounds of that round's
+    ratio (the verdict's spread follows it)."""
+    rounds = max(r.round for r in results) + 1
     print("\nout of the box: the README's API with default arguments / the best tuned pipeline cell "
-          "(same size, same worker count, same run)")
-    print(f"{'size':<8} {'row':<15} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9} "
-          f"{'softs/s':>10} {'/ softs':>8}  target")
+          f"(same size, same worker count, same round; median of {rounds} round(s))")
+    print("/ ideal: against the pipe handoff of the same worker count, whose producers fill the slot (batch_fn "
+          "rows) or make the sample in their own buffer and copy it in (generator rows: README, tensors)")
+    print(f"{'size':<8} {'row':<20} {'workers':>7} {'defaults/s':>12} {'tuned/s':>12} {'/ tuned':>8} {'/ memcpy':>9} "
+          f"{'/ ideal':>8} {'softs/s':>10} {'/ softs':>8}  target")
     for size in sizes:
-        memcpy = _best(results, size, "cold memcpy")
         for method, procs in itertools.product(DEFAULT_WORKERS, (1, 2)):
-            defaults = next((r for r in results if r.size == size and r.method == method
-                             and r.procs == procs), None)
-            tuned = _best(results, size, "pipeline", procs=procs)
-            softs = next((r for r in results if r.size == size and r.method.startswith("softs")
-                          and r.procs == procs), None)
-            if defaults is None:
+            per_round = [_default_ratios(results, size, method, procs, turn) for turn in range(rounds)]
+            per_round = [row for row in per_round if row is not None]
+            if not per_round:
                 continue
-            ratio = defaults.rate / tuned.rate if tuned else None
-            over_softs = defaults.rate / softs.rate if softs else None
-            if size.label == "4 KiB":
-                verdict = "-" if over_softs is None else f"/ softs >= 20: {'met' if over_softs >= 20 else 'MISSED'}"
-            else:
-                verdict = "-" if ratio is None else f">= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}"
-            print(f"{size.label:<8} {method.removeprefix('defaults').strip(' (),') or '-':<15} {procs:>7} "
-                  f"{defaults.rate:>12,.0f} {_fmt(tuned.rate if tuned else None, 0):>12} "
-                  f"{_fmt(ratio):>8} {_fmt(defaults.rate / memcpy.rate if memcpy else None):>9} "
-                  f"{_fmt(softs.rate if softs else None, 0):>10} {_fmt(over_softs, 1):>8}  {verdict}")
+            row = {key: _median(r[key] for r in per_round) for key in per_round[0]}
+            check = "softs" if size.label == "4 KiB" else "tuned"
+            spread = [r[check] for r in per_round if r[check] is not None]
+            goal = 20.0 if check == "softs" else 0.9
+            verdict = "-" if row[check] is None else (
+                f"/ {check} >= {goal:g}: {'met' if row[check] >= goal else 'MISSED'}"
+                + (f" [{min(spread):.2f}-{max(spread):.2f}]" if len(spread) > 1 else ""))
+            print(f"{size.label:<8} {method.removeprefix('defaults').strip(' (),') or '-':<20} {procs:>7} "
+                  f"{row['rate']:>12,.0f} {_fmt(row['tuned_rate'], 0):>12} {_fmt(row['tuned']):>8} "
+                  f"{_fmt(row['memcpy']):>9} {_fmt(row['ideal']):>8} {_fmt(row['softs_rate'], 0):>10} "
+                  f"{_fmt(row['softs'], 1):>8}  {verdict}")
     if not any(r.method.startswith("softs") for r in results):
         print("(no softs column: softs is not installed; `pip install softs==0.1.2` in a throwaway venv adds it)")
+
+
+def _default_ratios(results: list[Result], size: Size, method: str, procs: int,
+                    turn: int) -> dict[str, float | None] | None:
+    """One round's figures for a default row: its rate, and its ratio to the tuned, memcpy,
+    ideal and softs cells of that round (None where a cell was not measured)."""
+    cells = [r for r in results if r.round == turn]
+    defaults = _exact(cells, size, method, procs)
+    if defaults is None:
+        return None
+    tuned = _best(cells, size, "pipeline", procs=procs)
+    memcpy = _best(cells, size, "cold memcpy")
+    ideal = _exact(cells, size, "pipe handoff" if "batch_fn" in method else PIPE_COPY, procs)
+    softs = _exact(cells, size, "softs 0.1.2", procs)
+    rate = defaults.rate
+    return {"rate": rate, "tuned_rate": tuned.rate if tuned else None, "tuned": rate / tuned.rate if tuned else None,
+            "memcpy": rate / memcpy.rate if memcpy else None, "ideal": rate / ideal.rate if ideal else None,
+            "softs_rate": softs.rate if softs else None, "softs": rate / softs.rate if softs else None}
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 @contextlib.contextmanager
@@ -1054,6 +1097,11 @@ def _verdict(size: Size, ratios: dict[str, float | None]) -> str:
             f">= {stretch:g} (performance issue): {'met' if ratio >= stretch else 'MISSED'}")
 
 
+def _exact(results: list[Result], size: Size, method: str, procs: int) -> Result | None:
+    """The cell of exactly ``method`` with ``procs`` producers (None: not measured)."""
+    return next((r for r in results if r.size == size and r.method == method and r.procs == procs), None)
+
+
 def _best(results: list[Result], size: Size, method: str, procs: int | None = None) -> Result | None:
     found = [r for r in results if r.size == size and r.method.startswith(method)
              and (procs is None or r.procs == procs)]
@@ -1124,6 +1172,8 @@ def run_all(sizes: tuple[Size, ...], methods: set[str], seconds: float, ring_byt
                     cells += bench_handoff(size, seconds)
                 if "pipe" in methods:
                     cells += bench_pipe_handoff(size, seconds)
+                if "pipecopy" in methods:
+                    cells += bench_pipe_handoff(size, seconds, own_buffer=True)
                 if "queue" in methods:
                     cells += bench_queue(size, seconds)
                 if "dataloader" in methods:
@@ -1158,8 +1208,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB", help="comma-separated subset of sizes")
     parser.add_argument("--methods",
                         default="memcpy,filler,handoff,pipe,queue,dataloader,dataset,notices,relay,client,zmq,tcp,rtt",
-                        help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, pipe, queue, "
-                             "dataloader, dataset, notices, relay, client, zmq, tcp, rtt")
+                        help="comma-separated subset of: memcpy, filler (needs memcpy), handoff, pipe, pipecopy, "
+                             "queue, dataloader, dataset, notices, relay, client, zmq, tcp, rtt")
     parser.add_argument("--slot-count", type=int, default=None,
                         help="slots of every size's rings and student pool (default: each size's own)")
     parser.add_argument("--worker-batch", type=int, default=None,
@@ -1188,7 +1238,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = tuple(replace(s, worker_batch=args.worker_batch) for s in sizes)
     methods = {m.strip() for m in args.methods.split(",")}
     if args.defaults:
-        methods.add("defaults")
+        methods |= {"defaults", "pipe", "pipecopy"}  # the ideals its table compares with
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
     torch.set_num_threads(1)

@@ -4,12 +4,12 @@ Why: the seed README's worker returns ``config.encode(x=..., y=...)``, bytes tha
 worker then copies into the student's slot. For large samples those are two full
 passes over every sample on top of the generator's own work (4 MiB: the README worker
 ran at 0.40 of a ``batch_fn`` worker that writes into the slot, ``bench/pipeline.py
---defaults``), and for a GPU teacher a device-to-host copy into fresh memory first.
-So while the worker calls ``generator_fn`` for one slot, that slot's payload is *open*
-here, and the first ``encode`` of a sample of at least ``ENCODE_INTO_MIN_BYTES`` that
-fits writes the tensors straight into it (one copy, GPU tensors included) and returns a
-read-only ``memoryview`` of what it wrote instead of new ``bytes``. The worker sees the
-generator return that very view and has nothing left to copy.
+--defaults``; 0.60 with this). So while the worker calls ``generator_fn`` for one slot,
+that slot's payload is *open* here, and the first ``encode`` of a sample of at least
+``ENCODE_INTO_MIN_BYTES`` that fits writes the sample's bytes straight into it (the same
+bytes, converted as ``encode`` converts) and returns a read-only ``memoryview`` of what
+it wrote instead of new ``bytes``. The worker sees the generator return that very view
+and has nothing left to copy.
 
 What the generator gets is bytes-like (``len``, slicing, ``bytes(...)``, comparison,
 hashing) and holds the sample, but it *is* the slot: it is released when the

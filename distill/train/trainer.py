@@ -44,7 +44,7 @@ from distill.train.supply import (
     teacher_bound_advice,
 )
 from distill.train.timing import timed
-from distill.train.transfer import BackgroundBatches, DevicePrefetcher
+from distill.train.transfer import BackgroundBatches, DevicePrefetcher, loader_batches
 from distill.train.transport import ADD_WORKER_SCRIPT, stage_dataset
 from distill.train.validation import BestWeights, LayerValidation, Validation
 
@@ -146,7 +146,7 @@ class StageTrainer:
                                  pin_memory=cuda and workers > 0,
                                  prefetch_factor=2 if workers else None,
                                  persistent_workers=False)
-        self._loader_iter = DevicePrefetcher(iter(self.loader), ctx.device)
+        self._loader_iter = DevicePrefetcher(loader_batches(self.loader), ctx.device)
 
     def _setup_validation(self, frozen: dict[int, nn.Module]) -> None:
         """Held-out inputs and teacher targets of the stage's layers, computed here once (leader)."""

@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -141,6 +141,29 @@ class DeviceToSlots:
             staging = torch.empty(shape, dtype=states[0].dtype, pin_memory=True)
             self._staging[turn] = staging
         return staging[:, :batch]
+
+
+def loader_batches(loader: Iterable[Batch]) -> Iterator[Batch]:
+    """The batches of a ``DataLoader`` with worker processes. A worker killed while it hands
+    a batch over (the batch's shared storage still being passed as a file descriptor)
+    reaches the training process as a ``ConnectionResetError`` from that handoff, not as
+    torch's own error; this turns it into torch's error naming the dead worker (``DataLoader
+    worker (pid N) is killed by signal``), which is what the user needs to read."""
+    batches = iter(loader)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (ConnectionError, EOFError) as exc:
+            check = getattr(torch._C, "_error_if_any_worker_fails", None)
+            if check is not None:
+                check()  # raises if a worker of this process's DataLoaders died (not yet reaped)
+            dead = [str(w.pid) for w in getattr(batches, "_workers", ()) if not w.is_alive()]
+            if dead:  # reaped already: say so in torch's words
+                raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(dead)}) exited unexpectedly") from exc
+            raise
+        yield batch
 
 
 class DevicePrefetcher:

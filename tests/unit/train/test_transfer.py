@@ -7,13 +7,21 @@ against the same reference.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from distill.pipeline import BatchConfig, DistillIterableDataset, TensorSpec
-from distill.train.transfer import BackgroundBatches, DevicePrefetcher, DeviceToSlots
+from distill.train.transfer import (
+    BackgroundBatches,
+    DevicePrefetcher,
+    DeviceToSlots,
+    loader_batches,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -152,3 +160,42 @@ def test_background_batches_feed_the_device_prefetcher(device: str) -> None:
         assert batch["x"].device.type == device
         torch.testing.assert_close(batch["x"].cpu(), torch.full((4, 16), float(i)))
         torch.testing.assert_close(batch["ids"].cpu(), torch.arange(4) + 10 * i)
+
+
+class _Ones(IterableDataset):
+    def __iter__(self):
+        while True:
+            yield torch.ones(4)
+
+
+class _Resets:
+    """What a DataLoader iterator raises when the worker handing it a batch dies mid-handoff."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_loader_worker_killed_mid_handoff_is_named_not_a_connection_reset() -> None:
+    """A real DataLoader worker, killed; the handoff error then becomes torch's own message
+    naming it. (Its iterator is made in a thread: torch's SIGCHLD handler, which would
+    raise the same error on its own, is only installed from the main thread.)"""
+    made: list = []
+    maker = threading.Thread(target=lambda: made.append(iter(DataLoader(_Ones(), batch_size=None,
+                                                                       num_workers=1))))
+    maker.start()
+    maker.join(60)
+    live = made[0]
+    try:
+        assert next(live).tolist() == [1.0] * 4
+        worker = live._workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: as the student finds it
+        with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid {worker.pid}\) is killed by signal"):
+            next(loader_batches(_Resets()))
+    finally:
+        live._shutdown_workers()
+    with pytest.raises(ConnectionResetError):  # no worker dead: the error as it came
+        next(loader_batches(_Resets()))
