@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 from distill.pipeline import protocol
@@ -205,7 +205,7 @@ class Dispatcher:
                 by_student.setdefault(request.student, []).extend(
                     [slot_idx, request_id, True] for slot_idx, request_id in request.slots)
         else:
-            _sort_outcomes(work, stale, failed, by_student, discarded, self._failures)
+            _sort_outcomes(work, stale, failed, by_student, discarded, self._failures, state.students.mediums)
             if notified and not stale:
                 num_notified = _drop_notified(work, notified, by_student)
         self._count_outcomes(run, by_student, discarded, num_notified, bool(failed))
@@ -258,8 +258,11 @@ def _slots(requests: list[SlotRequests]) -> Iterator[tuple[SlotRequests, int, in
 
 
 def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: dict[bytes, list[list]],
-                   discarded: dict[bytes, list[list[int]]], failures: LogThrottle) -> None:
-    """Slot by slot: completed (ok or failed) or discarded (stale)."""
+                   discarded: dict[bytes, list[list[int]]], failures: LogThrottle,
+                   live_mediums: Container[str]) -> None:
+    """Slot by slot: completed (ok or failed) or discarded (stale). A failed slot is a
+    warning, except in a segment whose student has left (``live_mediums`` no longer holds
+    it): a dataset that closed with WORK in flight unlinked it, and that is expected."""
     idx = 0
     for request in work.requests:
         for slot_idx, request_id in request.slots:
@@ -267,7 +270,10 @@ def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: 
                 discarded.setdefault(request.student, []).append([slot_idx, request_id])
             else:
                 ok = idx not in failed
-                if not ok:
+                if not ok and request.medium not in live_mediums:
+                    log.debug("worker failed slot %d of %s, whose student has left: %s", slot_idx,
+                              medium_label(request.medium), failed[idx])
+                elif not ok:
                     failures.warning("worker failed slot %d of %s: %s", slot_idx, medium_label(request.medium),
                                      failed[idx])
                 by_student.setdefault(request.student, []).append([slot_idx, request_id, ok])

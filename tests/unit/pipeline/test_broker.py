@@ -17,7 +17,7 @@ from distill.pipeline import Broker, BrokerConfig
 from distill.pipeline.broker import limits
 from distill.pipeline.broker.config import MAX_WORK_ITEMS, WORK_TIMEOUT_MIN_BEATS
 from distill.pipeline.broker.deadline import BatchClock
-from distill.pipeline.broker.dispatch import Dispatcher
+from distill.pipeline.broker.dispatch import Dispatcher, _sort_outcomes
 from distill.pipeline.broker.frontend import Frontend
 from distill.pipeline.broker.records import (
     Connection,
@@ -29,6 +29,7 @@ from distill.pipeline.broker.records import (
 )
 from distill.pipeline.broker.runs import RequestLedger, RunTable
 from distill.pipeline.protocol import Command, ProtocolError
+from distill.pipeline.throttle import LogThrottle
 from tests.hostile import Peer, fetch_stats
 
 pytestmark = pytest.mark.timeout(60)
@@ -198,6 +199,23 @@ def test_the_ledger_drops_repeats_within_and_across_requests() -> None:
     assert ledger.admit("m", [[0, 1]]) == [[0, 1]]
     ledger.settle([_requests(owner, "m", [[0, 1]])])  # answered: a repeat still on its way is dropped
     assert ledger.admit("m", [[0, 1]]) == []
+
+
+def test_a_failed_slot_is_a_warning_unless_its_student_has_left(caplog) -> None:
+    """A dataset that closes with WORK in flight unlinks its segment; the worker then fails
+    those slots, which is expected: only slots of live students' segments warn."""
+    live, gone = Connection(b"a", None), Connection(b"b", None)
+    work = Work(1, b"w", "r", 3, [_requests(live, "dst_live", [[0, 10], [1, 11]]),
+                                  _requests(gone, "dst_gone", [[0, 20]])], 3)
+    by_student: dict = {}
+    with caplog.at_level(logging.DEBUG, logger="distill.pipeline.broker.dispatch"):
+        _sort_outcomes(work, False, {1: "bad address: x", 2: "bad address: y"}, by_student, {},
+                       LogThrottle(logging.getLogger("distill.pipeline.broker.dispatch")), {"dst_live"})
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    quiet = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert warned == ["worker failed slot 1 of dst_live: bad address: x"]
+    assert quiet == ["worker failed slot 0 of dst_gone, whose student has left: bad address: y"]
+    assert by_student == {b"a": [[0, 10, True], [1, 11, False]], b"b": [[0, 20, False]]}
 
 
 # --------------------------------------------------------------------------- peers and mediums
