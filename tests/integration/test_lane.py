@@ -227,3 +227,38 @@ def test_an_inbox_that_vanishes_is_bound_again_and_nothing_is_lost(procs, endpoi
         counts = dict(client._pool.counts)
     broker.stop()
     assert counts["direct"] >= 300 and counts["rejected"] == 0
+
+
+def test_broker_work_for_the_same_student_does_not_decline_its_direct_requests(procs, endpoints,
+                                                                                broker_kwargs) -> None:
+    """A ring much larger than the worker's credit: its first requests wait at the broker
+    while its first fills come back as DIRECTs. The broker's WORK waiting on the worker is
+    then for this same student, so its DIRECTs are filled after it, not declined (declined,
+    they went to the broker, whose WORK for them kept waiting: 88% of all slots at 4 KiB)."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    procs.start(peers.run_worker, endpoints, max_batch=4, name="worker")
+    with _client(endpoints, slot_count=256) as client:
+        generation = client.set_model("same")
+        peers.consume_verified(client, generation, 2000)
+        counts = dict(client._pool.counts)
+    broker.stop()
+    assert counts["declined"] == 0, counts
+    assert counts["direct"] >= 1500, counts
+
+
+def test_broker_work_for_another_student_declines_direct_requests(procs, endpoints, broker_kwargs) -> None:
+    """Two students, one worker: while WORK for one waits at the worker, the other's DIRECTs
+    are declined and go to the broker, which shares the worker between them; both are served."""
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    procs.start(peers.run_worker, endpoints, max_batch=4, name="worker")
+    with _client(endpoints, slot_count=64) as first, _client(endpoints, slot_count=64) as second:
+        generation = first.set_model("shared")
+        second.wait_generation(generation, timeout_s=10)
+        seen: dict[int, set[int]] = {0: set(), 1: set()}
+        for _ in range(40):
+            for idx, client in enumerate((first, second)):
+                peers.consume_verified(client, generation, len(seen[idx]) + 25, seen=seen[idx])
+        declined = first._pool.counts["declined"] + second._pool.counts["declined"]
+    broker.stop()
+    assert declined > 0
+    assert len(seen[0]) == len(seen[1]) == 1000

@@ -4,7 +4,8 @@ Students on this machine ask the worker that filled a slot to fill it again with
 DIRECT datagram on the worker's lane (``notices.py``). The worker fills it like the
 WORK the broker would have sent, with the model of the run's last plain WORK, and
 answers with a notice; one it cannot fill as the broker would is declined. Broker
-WORK comes first: while some waits, every DIRECT is declined. Answers that cannot be
+WORK comes first: what waits is filled before the DIRECTs, which are all declined if
+it was for another student (``Worker._serve_direct``). Answers that cannot be
 delivered now are kept and sent again for ``ANSWER_RETRY_S``.
 """
 
@@ -104,6 +105,12 @@ class DirectLane:
             else:
                 self._refusals.warning("worker %s: direct request for %r dropped: not a segment of ours",
                                        self.peer_id, msg.body["medium"][:64])
+
+    def others_in(self, works: list[Message]) -> bool:
+        """Whether broker ``works`` name a segment that no queued DIRECT names (another
+        student is waiting on the broker)."""
+        asking = {msg.body["medium"] for msg in self._queue}
+        return any(item[0] not in asking for work in works for item in work.body["items"])
 
     def decline_all(self, why: str) -> None:
         while self._queue:

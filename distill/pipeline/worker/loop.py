@@ -453,12 +453,19 @@ class Worker:
 
     # ------------------------------------------------------------------ direct requests
     def _serve_direct(self, sock: zmq.Socket) -> None:
-        """Fill DIRECT requests (up to about ``max_batch`` slots per call), or decline
-        them all while broker WORK waits: the broker's students keep their share."""
+        """Fill DIRECT requests (up to about ``max_batch`` slots per call). Broker WORK
+        comes first: what waits is filled before them, and if it was for a student none of
+        the queued DIRECTs come from, they are all declined, so that the students waiting
+        on the broker keep their share. WORK for the same students only is no reason to
+        decline: that sent the DIRECTs to the broker, whose WORK for them then kept waiting
+        here, and so on (4 KiB samples, a ring of 4,096 slots: 88% of DIRECTs declined)."""
         self._lane.take()
         if protocol.readable(sock):
-            self._lane.decline_all("the worker has broker work waiting")
-            return
+            broker_works = self._collect_work(sock)
+            self._process(broker_works, sock)
+            if self._lane.others_in(broker_works):
+                self._lane.decline_all("the worker has broker work waiting for other students")
+                return
         works = self._lane.next_batch(self._direct_model)
         if works:
             self._process(works, sock)
