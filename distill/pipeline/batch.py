@@ -212,8 +212,13 @@ class BatchConfig:
                 raise ValueError(f"tensor {name!r}: dtype {src.dtype} != spec {dtype}: convert it "
                                  f"(.to({dtype})) or change the BatchConfig")
             sources.append(src.detach() if src.requires_grad else src)  # no autograd history on the views
-        for (name, _, nbytes, dtype), src in zip(self._layout, sources, strict=True):
-            _copy_tensor(views[name], src, nbytes, dtype)
+        for (name, _, nbytes, _), src in zip(self._layout, sources, strict=True):
+            view = views[name]
+            if nbytes >= LARGE_ROW_BYTES and src.device.type == "cpu" and src.is_contiguous() \
+                    and view.is_contiguous():
+                ctypes.memmove(view.data_ptr(), src.data_ptr(), nbytes)  # as in copy_rows: rep movsb
+            else:
+                view.copy_(src)
 
     def decode(self, data: Buffer) -> dict[str, torch.Tensor]:
         """Views of every tensor in ``data`` (no copy; writable if ``data`` is)."""
@@ -350,16 +355,6 @@ def _memmove_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Both byte matrices on the CPU, rows of equal width, each row contiguous in memory."""
     return (_memmove_source(src) and dst.device.type == "cpu" and dst.dtype == torch.uint8 and dst.dim() == 2
             and src.shape[1] == dst.shape[1] and dst.is_contiguous())
-
-
-def _copy_tensor(view: torch.Tensor, src: torch.Tensor, nbytes: int, dtype: torch.dtype) -> None:
-    """``view.copy_(src)``; a large contiguous CPU tensor of the view's dtype goes through
-    ``memmove`` instead, as in :func:`copy_rows` (``rep movsb``)."""
-    if nbytes >= LARGE_ROW_BYTES and src.dtype is dtype and src.device.type == "cpu" and src.is_contiguous() \
-            and view.is_contiguous():
-        ctypes.memmove(view.data_ptr(), src.data_ptr(), nbytes)
-    else:
-        view.copy_(src)
 
 
 def _as_spec(spec: TensorSpec | Mapping[str, Any]) -> TensorSpec:

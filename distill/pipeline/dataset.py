@@ -249,7 +249,6 @@ class DistillIterableDataset(IterableDataset):
         consumer's CPU here) is spread over half the ring, not a quarter (256 KiB samples,
         the ring chosen: 23.6k -> 27.6k samples/s, ``bench/pipeline.py --defaults``)."""
         with_meta = self.config.with_meta
-        regroup = max(1, pool.config.slot_count // 2)
         payloads: dict[int, memoryview] = {}  # each slot's payload view, made once
         while True:
             pool.release_many(loans.returned())
@@ -271,7 +270,7 @@ class DistillIterableDataset(IterableDataset):
                     sample.update(self._meta(pool, gen, req, fill))
                 yield sample
                 del sample  # ours no longer: its loan ends when the consumer lets go
-                if loans.waiting() >= regroup:  # asked for in groups: one ask, one datagram
+                if loans.waiting() >= max(1, loans.limit):  # half the ring: one ask, one datagram
                     pool.release_many(loans.returned())
                     pool.flush()
 

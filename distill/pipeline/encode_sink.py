@@ -61,16 +61,16 @@ def note_written(view: memoryview) -> None:
     _sink.written = view
 
 
-def close_slot() -> memoryview | None:
-    """The generator returned: the view ``encode`` handed out for this slot, if any
-    (compare it with what the generator returned, then :func:`release`)."""
+def close_slot(returned: object) -> int:
+    """The generator returned ``returned``: the bytes it already put in the slot (the view
+    ``encode`` handed out, returned as it was), or 0 (the worker copies ``returned`` in).
+    The handed-out view ends here, so a generator that kept it cannot use it on a later
+    call (a view the caller exported further, e.g. into numpy, stays: that is theirs)."""
     written = _sink.written
     _sink.payload, _sink.written = None, None
-    return written
-
-
-def release(view: memoryview) -> None:
-    """End the handed-out view, so a generator that kept it cannot use it on a later call
-    (a view the caller exported further, e.g. into numpy, stays: that is theirs)."""
+    if written is None:
+        return 0
+    in_slot = written.nbytes if returned is written else 0
     with contextlib.suppress(BufferError):
-        view.release()
+        written.release()
+    return in_slot

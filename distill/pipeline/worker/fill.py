@@ -179,15 +179,12 @@ class Filler:
         return [self._generate_one(model_id, model_cfg, t) for t in targets], None
 
     def _generate_one(self, model_id: str, model_cfg: dict | None, target: SlotTarget) -> int:
-        data, in_slot = None, 0
+        data = None
         encode_sink.open_slot(target.payload)  # a large BatchConfig.encode lands in the slot itself
         try:
             data = self.generator_fn(model_id, model_cfg)
         finally:
-            written = encode_sink.close_slot()
-            if written is not None:
-                in_slot = written.nbytes if data is written else 0
-                encode_sink.release(written)
+            in_slot = encode_sink.close_slot(data)
         if in_slot:  # the sample is in the slot already: nothing to copy
             return in_slot
         if isinstance(data, Mapping):

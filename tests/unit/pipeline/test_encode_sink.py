@@ -32,16 +32,17 @@ def test_a_large_encode_lands_in_the_open_slot_with_the_same_bytes() -> None:
     expected = CONFIG.encode(**tensors)
     slot = bytearray(CONFIG.nbytes() + 100)
     encode_sink.open_slot(memoryview(slot))
+    data = None
     try:
         data = CONFIG.encode(**tensors)
         second = CONFIG.encode(**tensors)  # only the first of a call takes the slot
+        assert isinstance(data, memoryview) and data.readonly
+        assert data == expected and bytes(data) == expected and len(data) == CONFIG.nbytes()
     finally:
-        written = encode_sink.close_slot()
-    assert written is data and isinstance(data, memoryview) and data.readonly
-    assert data == expected and bytes(data) == expected and len(data) == CONFIG.nbytes()
+        in_slot = encode_sink.close_slot(data)
+    assert in_slot == CONFIG.nbytes()  # returned as handed out: already in the slot
     assert type(second) is bytes and second == expected
     assert bytes(slot[:CONFIG.nbytes()]) == expected and not any(slot[CONFIG.nbytes():])
-    encode_sink.release(written)
     with pytest.raises(ValueError, match="released"):
         len(data)  # kept past its call: fails loudly, never reads a reused slot
 
@@ -55,9 +56,9 @@ def test_small_samples_bad_tensors_and_short_slots_keep_the_plain_path() -> None
             CONFIG.encode(**{**_sources(), "x": torch.zeros(3)})  # refused before it takes the slot
         assert isinstance(CONFIG.encode(**_sources()), memoryview)
     finally:
-        encode_sink.close_slot()
+        encode_sink.close_slot(None)
     encode_sink.open_slot(memoryview(bytearray(CONFIG.nbytes() - 1)))
     try:
         assert type(CONFIG.encode(**_sources())) is bytes  # does not fit: the worker reports it
     finally:
-        assert encode_sink.close_slot() is None
+        assert encode_sink.close_slot(None) == 0
