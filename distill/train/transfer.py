@@ -39,6 +39,8 @@ import torch
 log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
+WORKER_DEATH_WAIT_S = 2.0
+"""How long a failed batch handoff waits for its DataLoader worker to be seen dead."""
 STAGING_BUFFERS = 2
 """Staging buffers per worker: one being filled by the GPU while the other drains into slots."""
 
@@ -156,14 +158,26 @@ def loader_batches(loader: Iterable[Batch]) -> Iterator[Batch]:
         except StopIteration:
             return
         except (ConnectionError, EOFError) as exc:
-            check = getattr(torch._C, "_error_if_any_worker_fails", None)
-            if check is not None:
-                check()  # raises if a worker of this process's DataLoaders died (not yet reaped)
-            dead = [str(w.pid) for w in getattr(batches, "_workers", ()) if not w.is_alive()]
-            if dead:  # reaped already: say so in torch's words
-                raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(dead)}) exited unexpectedly") from exc
+            _raise_if_a_worker_died(batches, exc)
             raise
         yield batch
+
+
+def _raise_if_a_worker_died(batches: Iterator[Batch], exc: BaseException) -> None:
+    """Raise torch's error for a DataLoader worker that died, waiting up to
+    ``WORKER_DEATH_WAIT_S`` for it to be seen dead: its sockets are reset as it exits,
+    a moment before the kernel reports it exited (seen in CI: the reset came first)."""
+    check = getattr(torch._C, "_error_if_any_worker_fails", None)
+    deadline = time.monotonic() + WORKER_DEATH_WAIT_S
+    while True:
+        if check is not None:
+            check()  # raises if a worker of this process's DataLoaders died (not yet reaped)
+        dead = [str(w.pid) for w in getattr(batches, "_workers", ()) if not w.is_alive()]
+        if dead:  # reaped already: say so in torch's words
+            raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(dead)}) exited unexpectedly") from exc
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
 
 
 class DevicePrefetcher:
