@@ -13,9 +13,9 @@ the machine's last-level cache, and the choice is logged once per process at INF
   (a sample that crosses DRAM between the worker's write and the student's copy costs
   about twice the memory traffic: ``docs/benchmarks.md``, "Direct requests by ring size");
 - a worker's batch: ``WORKER_BATCH_BYTES`` of samples per call of the sample function,
-  between 1 and ``MAX_WORKER_BATCH`` slots (small samples: the per-call cost is spread
-  over many; large samples: one at a time, so the student copies each slot while the
-  next one fills instead of waiting for a whole batch).
+  between 1 and ``MAX_WORKER_BATCH`` slots (the cost of a batch is spread over its
+  samples; it is not only messages: a worker that stops and waits between small batches
+  finds its own buffers and the ring cold again when it resumes).
 
 Arguments given explicitly are used exactly as given.
 """
@@ -48,9 +48,14 @@ samples 2.0k with 3 slots, 2.3k with 4, 2.5k with 6-8 (32 MiB), bimodal from 12 
 MIN_SLOTS, MAX_SLOTS = 3, 4096
 """At least one slot being filled, one being read and one ready; at most what a REQUEST
 carries comfortably."""
-WORKER_BATCH_BYTES = 4 << 20
-"""Samples per call of a worker's sample function, in bytes (the tuned cells of
-``bench/pipeline.py``: 32 slots of 256 KiB, 1 of 4 MiB)."""
+WORKER_BATCH_BYTES = MAX_RING_BYTES // 2
+"""Samples per call of a worker's sample function, in bytes: half the largest ring, so
+two workers' batches fit in it at once. Measured on the 2-core machine with the README's
+``generator_fn`` worker and one student: 256 KiB samples, 2 workers, 26-29k samples/s
+with 16 slots a batch, 33-34k with 32 or 64 (the workers spending 33, 29 and 26 us of CPU
+a sample); 4 MiB samples, 1 worker, 1.5k with 1 slot a batch, 1.7k with 2, 1.85k with 4
+(a ``batch_fn`` worker 2.55-2.6k with each). A batch larger than a student's fair share
+of its ring is claimed a share at a time (``worker/fill.py``)."""
 MAX_WORKER_BATCH = 64
 
 _logged: set[tuple[str, int, int]] = set()

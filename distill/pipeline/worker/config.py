@@ -56,7 +56,7 @@ class WorkerConfig:
     """Names the worker in its peer id and logs (default: the process id)."""
     max_batch: int | None = None
     """Slots per call of the sample function (WORKs waiting are batched up to it); None:
-    chosen from the sample's bytes (``sizing.worker_batch``: 64 of 4 KiB, 1 of 4 MiB)."""
+    chosen from the sample's bytes (``sizing.worker_batch``: 64 of 4 KiB or 256 KiB, 4 of 4 MiB)."""
     prefetch_batches: int = 2
     """Batches of credit the worker asks for: ``max_batch * prefetch_batches`` slots."""
     checksum: bool = False

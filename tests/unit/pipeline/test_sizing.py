@@ -67,7 +67,8 @@ def test_a_larger_sample_never_gets_a_larger_ring_in_bytes_past_the_minimum() ->
         assert sizing.ring_slots(stride, 32 * MIB) * stride <= sizing.MAX_RING_BYTES
 
 
-@pytest.mark.parametrize(("sample", "batch"), [(4 * KIB, 64), (256 * KIB, 16), (MIB, 4), (4 * MIB, 1), (0, 64)])
+@pytest.mark.parametrize(("sample", "batch"), [(4 * KIB, 64), (256 * KIB, 64), (MIB, 16), (4 * MIB, 4), (16 * MIB, 1),
+                                             (64 * MIB, 1), (0, 64)])
 def test_the_worker_batch_is_a_byte_budget(sample: int, batch: int) -> None:
     assert sizing.worker_batch(sample) == batch
 
@@ -86,11 +87,11 @@ def test_left_out_arguments_are_chosen_and_logged_once_given_ones_are_kept(caplo
         assert dataset.slot_count == chosen and dataset.slot_count == chosen
         assert DistillIterableDataset(0, _Value(), 16, config).slot_count == 16  # as given, exactly
         worker = Worker(generator_fn=lambda *_: b"", slot_size=4 * MIB)
-        assert worker.max_batch == 1 and worker.capacity == 2
+        assert worker.max_batch == 4 and worker.capacity == 8
         assert Worker(generator_fn=lambda *_: b"", slot_size=4 * MIB, max_batch=16).max_batch == 16
     said = [r.getMessage() for r in caplog.records if r.name == "distill.pipeline.sizing"]
     assert len([m for m in said if m.startswith("DistillIterableDataset: slot_count=")]) == 1, said
-    assert any(m.startswith("Worker: max_batch=1 chosen for samples of 4194304 bytes") for m in said), said
+    assert any(m.startswith("Worker: max_batch=4 chosen for samples of 4194304 bytes") for m in said), said
     assert all("pass " in m for m in said)  # each names the argument that sets it
 
 
