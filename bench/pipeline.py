@@ -190,10 +190,11 @@ class Size:
 SIZES = (
     Size("4 KiB", 4 << 10, batch_size=256, slot_count=2048, worker_batch=512),
     Size("256 KiB", 256 << 10, batch_size=32, slot_count=128, worker_batch=32),
-    # 4 MiB: a ring that fits the L3 cache (3 x 4 MiB) with slots filled one by one, so
-    # the student copies one while the worker fills the next. Measured best (README,
-    # "Transport"); 16 slots of 4 x 4 MiB gave 0.5 of cold memcpy against 0.7 here.
-    Size("4 MiB", 4 << 20, batch_size=4, slot_count=3, worker_batch=1),
+    # 4 MiB: a ring of 32 MiB (distill's MAX_RING_BYTES), filled 4 slots a batch. Measured
+    # on the 2-core machine, one run, 1 / 2 workers (docs/benchmarks.md, "A worker batch
+    # of 16 MiB"): 3 slots a batch of 1, 2.37k / 2.35k samples/s; 7 slots, 1: 2.75k /
+    # 2.72k; 7, 4: 2.76k / 2.76k; 8, 4: 2.91k / 2.93k. 16 slots (64 MiB) leave the cache.
+    Size("4 MiB", 4 << 20, batch_size=4, slot_count=8, worker_batch=4),
 )
 
 

@@ -17,7 +17,6 @@ from distill.pipeline import (
     Worker,
     sizing,
 )
-from distill.pipeline.slot import slot_stride
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -47,24 +46,25 @@ def test_without_sysfs_the_cache_comes_from_sysconf_or_the_fallback(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("sample", "cache", "slots"), [
-    (4 * KIB, 32 * MIB, (16 * MIB) // slot_stride(4 * KIB)),   # half the cache: ~4000 slots of 4 KiB
-    (4 * KIB, 480 * MIB, sizing.MAX_SLOTS),                      # at most MAX_SLOTS
-    (256 * KIB, 32 * MIB, 63),          # 16 MiB: half a 32 MiB cache
-    (256 * KIB, 480 * MIB, 127),        # a huge cache: MAX_RING_BYTES, 32 MiB
-    (4 * MIB, 480 * MIB, 7),            # (strides are a header longer than the sample)
-    (4 * MIB, 32 * MIB, 3),
+    (4 * KIB, 32 * MIB, sizing.MAX_SLOTS),   # half the cache: 4,096 slots of 4 KiB
+    (2 * KIB, 8 * MIB, 2048),                # half of an 8 MiB cache
+    (4 * KIB, 480 * MIB, sizing.MAX_SLOTS),  # at most MAX_SLOTS
+    (256 * KIB, 32 * MIB, 64),          # 16 MiB: half a 32 MiB cache
+    (256 * KIB, 480 * MIB, 128),        # a huge cache: MAX_RING_BYTES, 32 MiB
+    (4 * MIB, 480 * MIB, 8),            # (the budget counts samples, not their headers)
+    (4 * MIB, 32 * MIB, 4),
     (4 * MIB, 8 * MIB, sizing.MIN_SLOTS),  # a small cache: never fewer than MIN_SLOTS
-    (256 * KIB, 4 * MIB, 7),            # half of a 4 MiB cache
+    (256 * KIB, 4 * MIB, 8),            # half of a 4 MiB cache
     (16, 32 * MIB, sizing.MAX_SLOTS),   # tiny samples: capped
 ])
 def test_the_ring_is_a_byte_budget_against_the_cache(sample: int, cache: int, slots: int) -> None:
-    assert sizing.ring_slots(slot_stride(sample), cache) == slots
+    assert sizing.ring_slots(sample, cache) == slots
 
 
-def test_a_larger_sample_never_gets_a_larger_ring_in_bytes_past_the_minimum() -> None:
-    for sample in (KIB, 4 * KIB, 64 * KIB, 256 * KIB, MIB):
-        stride = slot_stride(sample)
-        assert sizing.ring_slots(stride, 32 * MIB) * stride <= sizing.MAX_RING_BYTES
+def test_no_ring_holds_more_samples_than_the_budget_past_the_minimum() -> None:
+    for sample in (KIB, 4 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB):
+        for cache in (32 * MIB, 480 * MIB):
+            assert sizing.ring_slots(sample, cache) * sample <= sizing.MAX_RING_BYTES
 
 
 @pytest.mark.parametrize(("sample", "batch"), [(4 * KIB, 64), (256 * KIB, 64), (MIB, 16), (4 * MIB, 4), (16 * MIB, 1),
@@ -80,7 +80,7 @@ def _config(sample: int) -> BatchConfig:
 def test_left_out_arguments_are_chosen_and_logged_once_given_ones_are_kept(caplog, monkeypatch) -> None:
     monkeypatch.setattr(sizing, "_logged", set())
     config = _config(4 * MIB)
-    chosen = sizing.ring_slots(slot_stride(4 * MIB))
+    chosen = sizing.ring_slots(4 * MIB)
     with caplog.at_level(logging.INFO, logger="distill.pipeline.sizing"):
         dataset = DistillIterableDataset(0, generation_value=_Value(), batch_config=config,
                                          frontend_endpoint="ipc:///nowhere/f.sock")
@@ -100,7 +100,7 @@ def test_a_student_client_without_slot_count_gets_the_chosen_ring(endpoints) -> 
     with StudentClient(0, batch_config=config, frontend_endpoint=endpoints["frontend"],
                        control_endpoint=endpoints["control"],
                        control_pub_endpoint=endpoints["control_pub"]) as client:
-        assert client._pool.config.slot_count == sizing.ring_slots(slot_stride(256 * KIB))
+        assert client._pool.config.slot_count == sizing.ring_slots(256 * KIB)
     with StudentClient(0, 5, config, endpoints["frontend"], endpoints["control"],
                        endpoints["control_pub"]) as client:
         assert client._pool.config.slot_count == 5
