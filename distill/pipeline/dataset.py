@@ -63,7 +63,7 @@ from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 from distill.pipeline.loans import LEND_MIN_BYTES, SlotLoans
 from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
 from distill.pipeline.settings import merge
-from distill.pipeline.sizing import chosen_slots
+from distill.pipeline.sizing import check_given_slots, chosen_slots
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,8 @@ class DistillIterableDataset(IterableDataset):
         self.frontend_endpoint = cfg.frontend_endpoint or default_endpoint("frontend")
         if cfg.curve is not None:
             cfg.curve.client_keys()  # a bad key fails here, not later in every DataLoader worker
+        if isinstance(cfg.slot_count, int) and cfg.slot_count > 0:
+            check_given_slots("DistillIterableDataset", cfg.slot_count, cfg.batch_config)
 
     # The settings the seed README names, as attributes (all of them: ``config``).
     student_rank = property(lambda self: self.config.student_rank)

@@ -17,7 +17,10 @@ the machine's last-level cache, and the choice is logged once per process at INF
   samples; it is not only messages: a worker that stops and waits between small batches
   finds its own buffers and the ring cold again when it resumes).
 
-Arguments given explicitly are used exactly as given.
+Arguments given explicitly are used exactly as given. A ring given far smaller than the
+one distill would choose (``SMALL_RING_FRACTION``) is still used, with one warning that
+says so and what to change: the seed README's ``slot_count=8`` is 32 KiB of 4 KiB samples,
+which runs 3-8x slower than the chosen ring (``bench/pipeline.py --defaults``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ a sample); 4 MiB samples, 1 worker, 1.5k with 1 slot a batch, 1.7k with 2, 1.85k
 (a ``batch_fn`` worker 2.55-2.6k with each). A batch larger than a student's fair share
 of its ring is claimed a share at a time (``worker/fill.py``)."""
 MAX_WORKER_BATCH = 64
+SMALL_RING_FRACTION = 4
+"""A ``slot_count`` given below 1/this of the ring distill would choose is warned about
+(once). Measured with one README worker (``docs/benchmarks.md``): 8 slots instead of the
+chosen ring ran 4 KiB samples at 0.13 and 256 KiB at 0.44 of the tuned path; 63 slots of
+256 KiB instead of 128 lost only a tenth, so half the chosen ring is not worth a warning."""
 
 _logged: set[tuple[str, int, int]] = set()
 
@@ -117,6 +125,28 @@ def chosen_slots(who: str, config: BatchConfig) -> int:
                f"{cache >> 20} MiB last-level cache, at most {MAX_RING_BYTES >> 20} MiB, "
                f"{MIN_SLOTS}-{MAX_SLOTS} slots")
     return chosen
+
+
+def check_given_slots(who: str, given: int, config: BatchConfig) -> None:
+    """Warn once if ``given`` slots are far fewer than the ring distill would choose for
+    samples of ``config``: a ring that small makes the workers wait on a round trip every
+    few samples. The user's number is kept (it may bound memory or how many samples are in
+    flight on purpose); the warning says what it costs and how to choose otherwise."""
+    sample_bytes = config.nbytes()
+    chosen = ring_slots(sample_bytes)
+    key = (f"{who}.small_ring", given, sample_bytes)
+    if given * SMALL_RING_FRACTION >= chosen or key in _logged:
+        return
+    _logged.add(key)
+    stride = slot_stride(sample_bytes)
+    log.warning("%s: slot_count=%d is a ring of %s for samples of %d bytes, against %d slots (%s) "
+                "distill would choose: workers will wait on a round trip every few samples. Leave "
+                "slot_count out to have it chosen, or raise it", who, given, _size(given * stride),
+                sample_bytes, chosen, _size(chosen * stride))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes / (1 << 10):.0f} KiB"
 
 
 def log_choice(who: str, what: str, value: int, sample_bytes: int, why: str) -> None:

@@ -95,6 +95,23 @@ def test_left_out_arguments_are_chosen_and_logged_once_given_ones_are_kept(caplo
     assert all("pass " in m for m in said)  # each names the argument that sets it
 
 
+def test_a_ring_given_far_smaller_than_the_chosen_one_is_kept_and_warned_about_once(caplog, monkeypatch) -> None:
+    monkeypatch.setattr(sizing, "_logged", set())
+    monkeypatch.setattr(sizing, "last_level_cache_bytes", lambda: 32 * MIB)  # 4 KiB: 4,096 slots; 256 KiB: 64
+    with caplog.at_level(logging.WARNING, logger="distill.pipeline.sizing"):
+        for _ in range(2):  # the seed README's dataset, twice: one warning
+            assert DistillIterableDataset(0, _Value(), 8, _config(4 * KIB)).slot_count == 8  # kept
+        DistillIterableDataset(0, _Value(), 15, _config(256 * KIB))  # below a quarter of 64
+        DistillIterableDataset(0, _Value(), 16, _config(256 * KIB))  # a quarter: no warning
+        DistillIterableDataset(0, _Value(), 8, _config(4 * MIB))     # more than the chosen 4
+        DistillIterableDataset(0, _Value(), None, _config(4 * KIB))  # chosen: said at INFO only
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2, said
+    assert said[0].startswith("DistillIterableDataset: slot_count=8 is a ring of 32 KiB for samples of 4096 bytes, "
+                              "against 4096 slots (16.2 MiB)"), said[0]
+    assert "Leave slot_count out" in said[0] and "slot_count=15" in said[1]
+
+
 def test_a_student_client_without_slot_count_gets_the_chosen_ring(endpoints) -> None:
     config = _config(256 * KIB)
     with StudentClient(0, batch_config=config, frontend_endpoint=endpoints["frontend"],
