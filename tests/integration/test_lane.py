@@ -248,9 +248,12 @@ def test_broker_work_for_the_same_student_does_not_decline_its_direct_requests(p
 
 def test_broker_work_for_another_student_declines_direct_requests(procs, endpoints, broker_kwargs) -> None:
     """Two students, one worker: while WORK for one waits at the worker, the other's DIRECTs
-    are declined and go to the broker, which shares the worker between them; both are served."""
+    are declined and go to the broker, which shares the worker between them; both are served.
+    The worker takes 5 ms a batch, so the second student's first fills, through the broker,
+    are still waiting when the first student's DIRECTs arrive (a worker that filled all 128
+    first slots before any DIRECT came left nothing to decline: 1 run in 6 here)."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
-    procs.start(peers.run_worker, endpoints, max_batch=4, name="worker")
+    procs.start(peers.run_sleeping_worker, endpoints, 0.005, max_batch=4, name="worker")
     with _client(endpoints, slot_count=64) as first, _client(endpoints, slot_count=64) as second:
         generation = first.set_model("shared")
         second.wait_generation(generation, timeout_s=10)
