@@ -134,10 +134,8 @@ def check_given_slots(who: str, given: int, config: BatchConfig) -> None:
     flight on purpose); the warning says what it costs and how to choose otherwise."""
     sample_bytes = config.nbytes()
     chosen = ring_slots(sample_bytes)
-    key = (f"{who}.small_ring", given, sample_bytes)
-    if given * SMALL_RING_FRACTION >= chosen or key in _logged:
+    if given * SMALL_RING_FRACTION >= chosen or not _first_time((f"{who}.small_ring", given, sample_bytes)):
         return
-    _logged.add(key)
     stride = slot_stride(sample_bytes)
     log.warning("%s: slot_count=%d is a ring of %s for samples of %d bytes, against %d slots (%s) "
                 "distill would choose: workers will wait on a round trip every few samples. Leave "
@@ -151,9 +149,15 @@ def _size(nbytes: int) -> str:
 
 def log_choice(who: str, what: str, value: int, sample_bytes: int, why: str) -> None:
     """Say once per process (and per kind of choice and sample size) what was chosen."""
-    key = (f"{who}.{what}", value, sample_bytes)
-    if key in _logged:
+    if not _first_time((f"{who}.{what}", value, sample_bytes)):
         return
-    _logged.add(key)
     log.info("%s: %s=%d chosen for samples of %d bytes (%s); pass %s= to set it", who, what, value,
              sample_bytes, why, what)
+
+
+def _first_time(key: tuple[str, int, int]) -> bool:
+    """Whether this process has not said ``key`` yet (and from now on, has)."""
+    if key in _logged:
+        return False
+    _logged.add(key)
+    return True
