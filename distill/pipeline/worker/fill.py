@@ -128,6 +128,9 @@ class Filler:
                 run.staged = []
             else:
                 run.segment = self.segments.fresh(medium)
+        except FileNotFoundError as exc:  # unlinked: its student left with requests still queued here
+            run.error = f"bad address: {exc}"[:200]
+            log.debug("worker %s: %s is gone (its student left): %s", self.peer_id, _label(medium), exc)
         except (OSError, ValueError) as exc:
             run.error = f"bad address: {exc}"[:200]
             self._refusals.warning("worker %s: cannot write into %s: %s", self.peer_id, _label(medium), exc)

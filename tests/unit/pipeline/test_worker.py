@@ -5,6 +5,7 @@ claim, the owner's fair share, a commit over a lost claim."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -138,6 +139,22 @@ def test_segments_refuse_other_sample_sizes_and_foreign_geometry(segment) -> Non
         segments.slot(mapped, 0, STRIDE + 64)
     with pytest.raises(IndexError, match="outside"):
         segments.slot(mapped, 4, STRIDE)
+
+
+def test_a_segment_gone_with_its_student_fails_its_slots_without_a_warning(caplog) -> None:
+    """A student that closes unlinks its segment while requests for it may still be queued at
+    a worker: each normal exit is not a bad address to warn about (the broker still says so,
+    at WARNING, when the student is alive: ``test_broker``)."""
+    with SharedMemoryManager(4, STRIDE, run_id="left", payload_bytes=PAYLOAD) as owner:
+        gone = owner.buf_name  # unlinked when its student closes it
+    filler = Filler(WorkerConfig(slot_size=PAYLOAD), lambda *_: b"", None, Segments(PAYLOAD, None), TcpSender(),
+                    new_writer_id(), "test")
+    failed: dict = {}
+    with caplog.at_level(logging.DEBUG, logger="distill.pipeline.worker.fill"):
+        filler.add_targets({"work_id": 1, "items": [[gone, 0, STRIDE, 10]]}, 3, [], failed, range(1))
+    assert failed[1][0].startswith("bad address:"), failed
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG], caplog.records
+    assert "is gone (its student left)" in caplog.records[0].getMessage()
 
 
 def _fill_once(owner: SharedMemoryManager, segments: Segments, config: WorkerConfig, generator_fn,
