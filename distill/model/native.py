@@ -26,6 +26,7 @@ import transformers
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from distill.model import family as families
 from distill.model.modeling import modeling_distill_bert, modeling_distill_llama
 from distill.model.modeling.configuration_distill_bert import DistillBertConfig
 from distill.model.modeling.configuration_distill_llama import DistillLlamaConfig
@@ -81,7 +82,12 @@ def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for
         config = DistillBertConfig(**common, **keys)
     else:
         layer_types = get_layer_types_and_kwargs(teacher_config)[0]
-        config = DistillLlamaConfig(**common, teacher_layer_types=layer_types, **keys)
+        config = DistillLlamaConfig(
+            **common, teacher_layer_types=layer_types,
+            distill_embedding=families.embedding_scale(teacher.adapter, teacher_config),
+            distill_logits=families.logits_transform(teacher.adapter, teacher_config),
+            teacher_attn_implementation=teacher_config._attn_implementation, **keys,
+        )
     config._attn_implementation = teacher_config._attn_implementation
     return config
 
@@ -92,7 +98,8 @@ def teacher_classes(teacher: Teacher) -> dict[str, str]:
     if teacher.family == "bert":
         parts = {"embeddings": base.embeddings, "layer": teacher.layers[0], "pooler": getattr(base, "pooler", None)}
     else:
-        parts = {"layer": teacher.layers[0], "norm": base.norm, "rotary": base.rotary_emb}
+        parts = {"layer": teacher.layers[0], "norm": base.get_submodule(teacher.adapter.final_norm),
+                 "rotary": base.rotary_emb}
     paths = {role: f"{type(m).__module__}.{type(m).__qualname__}" for role, m in parts.items() if m is not None}
     layer_classes = {type(layer) for layer in teacher.layers}
     outside = [path for path in paths.values() if not path.startswith("transformers.models.")]

@@ -7,12 +7,13 @@ layer stack (`embed`, `final_hidden`, `final_logits`). Everything assumes fixed-
 unpadded chunks (see `distill.model.data`), so positions are always 0..T-1 and the only
 mask is the causal one.
 
-Two families are supported:
-    "llama": decoder LLMs whose base model has `.layers` and `.rotary_emb`
-             (Llama, Qwen2, Mistral, ...). Layers take `position_embeddings=(cos, sin)`
-             and the mask the model itself would build.
-    "bert":  encoders whose base model has `.embeddings` and `.encoder.layer`.
-             Position information is added by the embeddings; layers get no mask.
+The family (`distill.model.family`, by `config.model_type`) says where the layers are and
+what happens after them (final norm, logit scaling and soft-caps). What a layer receives is
+not rebuilt by hand: the model's own forward is run once per sequence length with hooks
+that record what it passes each layer (masks of each layer's attention type, rotary
+embeddings, positions) and what enters layer 0 (embeddings with any family scaling), so
+`embed` + `run_layer` + `final_logits` equal the model's forward for every supported family
+(held by tests/unit/model/test_family.py).
 
 Shape legend:
     B: batch size
@@ -25,18 +26,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 import transformers
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from distill.config import Dtype
+from distill.model import family as families
 from distill.model.location import check_exists
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "bert")
+"""The exported student's modeling families (`Family.modeling`); `distill.model.family.FAMILIES` lists the HF ones."""
 
 TORCH_DTYPES: dict[Dtype, torch.dtype] = {
     Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16,
@@ -49,6 +52,10 @@ CAUSAL_LM_FAMILIES = ("llama",)
 
 class _StopForward(Exception):
     """Raised by the hook on the last captured layer so that later layers never run."""
+
+
+_PROBE_DROPPED = ("hidden_states", "past_key_values", "cache", "use_cache", "output_attentions")
+"""Layer keyword arguments a probe does not keep: the hidden state itself and cache switches."""
 
 
 class Teacher:
@@ -68,16 +75,21 @@ class Teacher:
         self.devices = sorted({p.device for p in model.parameters()}, key=str)
         self.device = model.get_input_embeddings().weight.device
         self._base = model.base_model
-        self.family = _detect_family(self._base)
         config = model.config
+        self.adapter = families.detect(config)
+        self.family = self.adapter.modeling
+        if self.family == "llama":
+            _check_decoder_attention(self.layers)
         self.causal = _is_causal(self.family, config)
+        self._probed: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        self._probe_lock = threading.Lock()
         self.num_layers = len(self.layers)
         self.hidden_size = int(config.hidden_size)
         self.dtype = next(model.parameters()).dtype
         self.name_or_path = getattr(config, "_name_or_path", "") or type(model).__name__
         log.info(
-            "teacher %s: family=%s layers=%d hidden=%d dtype=%s device=%s attn=%s",
-            self.name_or_path, self.family, self.num_layers, self.hidden_size, self.dtype,
+            "teacher %s: family=%s (%s) layers=%d hidden=%d dtype=%s device=%s attn=%s",
+            self.name_or_path, self.adapter.name, self.family, self.num_layers, self.hidden_size, self.dtype,
             ",".join(map(str, self.devices)), getattr(config, "_attn_implementation", None),
         )
 
@@ -116,68 +128,95 @@ class Teacher:
     @property
     def layers(self) -> nn.ModuleList:
         """The teacher's own layer modules, in order."""
-        if self.family == "llama":
-            return self._base.layers
-        return self._base.encoder.layer
+        return self._base.get_submodule(self.adapter.layers_path)
 
     def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Embeddings of the tokens: exactly what layer 0 receives (hidden_BTD)."""
-        input_ids_BT = input_ids_BT.to(self.device)
-        if self.family == "llama":
-            return self._base.embed_tokens(input_ids_BT)
-        return self._base.embeddings(input_ids=input_ids_BT)
+        """Exactly what layer 0 receives (hidden_BTD): the model's own embeddings, scaling included."""
+        return self._inputs_of_layer0(input_ids_BT.to(self.device))
 
-    def run_layer(self, layer: nn.Module, hidden_BTD: torch.Tensor) -> torch.Tensor:
+    def run_layer(self, layer: nn.Module, hidden_BTD: torch.Tensor, layer_idx: int | None = None) -> torch.Tensor:
         """Call one HF layer (the teacher's own or a structurally compatible copy) with
-        the arguments the full model passes it for an unpadded chunk at positions 0..T-1.
+        the arguments the full model passes layer `layer_idx` (found from `layer` when not
+        given) for an unpadded chunk at positions 0..T-1.
 
         Gradients flow through it, so students can train copies of layers here.
         """
-        output = layer(hidden_BTD, **self.layer_kwargs(hidden_BTD, layer))
+        output = layer(hidden_BTD, **self.layer_kwargs(hidden_BTD, layer, layer_idx))
         return output[0] if isinstance(output, tuple) else output
 
-    def layer_kwargs(self, hidden_BTD: torch.Tensor, layer: nn.Module | None = None) -> dict:
-        """Keyword arguments the model gives a layer for an unpadded chunk.
+    def layer_kwargs(self, hidden_BTD: torch.Tensor, layer: nn.Module | None = None,
+                     layer_idx: int | None = None) -> dict:
+        """Keyword arguments the model's own forward gives layer `layer_idx` for an unpadded chunk.
 
-        Decoders get rotary `position_embeddings` from the model's own `rotary_emb` and
-        the mask the model's own masking function builds for its attention
-        implementation. For "sdpa" on an unpadded chunk that mask is `None` and
-        causality comes from the attention module's `is_causal=True` (checked in
-        `_detect_family`); "eager" gets an explicit additive mask.
+        Recorded from one forward of the model per (sequence length, device): masks of the
+        layer's attention type (None for sdpa on an unpadded causal chunk, which relies on
+        `is_causal`), rotary `position_embeddings`, `position_ids`. They were recorded for a
+        batch of one and broadcast over any batch.
         """
-        if self.family == "bert":
-            return {"attention_mask": self._bert_mask(hidden_BTD)}
-        seq_len = hidden_BTD.shape[1]
-        position_ids_1T = torch.arange(seq_len, device=hidden_BTD.device).unsqueeze(0)
-        cos_sin = self._base.rotary_emb(hidden_BTD, position_ids_1T)
-        return {
-            "attention_mask": self._decoder_mask(hidden_BTD, position_ids_1T, layer),
-            "position_embeddings": cos_sin,
-            "position_ids": position_ids_1T,
-        }
+        idx = self._layer_index(layer, layer_idx)
+        return dict(self._probe(hidden_BTD.shape[1], hidden_BTD.device)[idx])
 
-    def _decoder_mask(
-        self, hidden_BTD: torch.Tensor, position_ids_1T: torch.Tensor, layer: nn.Module | None
-    ):
-        """The mask the decoder's forward would build for this layer's attention type."""
-        mask_kwargs = {
-            "config": self.model.config,
-            "inputs_embeds": hidden_BTD,
-            "attention_mask": None,
-            "cache": None,
-            "position_ids": position_ids_1T,
-        }
-        if _layer_type(layer) == "sliding_attention":
-            return create_sliding_window_causal_mask(**mask_kwargs)
-        return create_causal_mask(**mask_kwargs)
+    def _layer_index(self, layer: nn.Module | None, layer_idx: int | None) -> int:
+        """`layer_idx`, else `layer`'s position in the stack, else the index its attention records."""
+        if layer_idx is not None:
+            return layer_idx
+        for idx, own in enumerate(self.layers):
+            if own is layer:
+                return idx
+        for owner in (layer, getattr(layer, "self_attn", None), getattr(layer, "attention", None)):
+            value = getattr(owner, "layer_idx", None)
+            if isinstance(value, int):
+                return value
+        return 0
 
-    def _bert_mask(self, hidden_BTD: torch.Tensor):
-        """No mask for encoders on unpadded chunks; BERT configured as a decoder is causal."""
-        if not self.causal:
-            return None
-        return create_causal_mask(
-            config=self.model.config, inputs_embeds=hidden_BTD, attention_mask=None, cache=None
-        )
+    def _inputs_of_layer0(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Run the model's forward up to layer 0 and return what layer 0 was given."""
+        seen: dict[str, torch.Tensor] = {}
+        thread_id = threading.get_ident()
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if threading.get_ident() == thread_id:
+                seen["hidden"] = args[0] if args else kwargs["hidden_states"]
+                raise _StopForward
+
+        handle = self.layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+        try:
+            self._base(input_ids=input_ids_BT, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        return seen["hidden"]
+
+    def _probe(self, seq_len: int, device: torch.device) -> list[dict[str, Any]]:
+        """The kwargs of each layer in one forward of a batch of zeros at length `seq_len`."""
+        key = (seq_len, str(device))
+        with self._probe_lock:
+            if key not in self._probed:
+                self._probed[key] = self._record_layer_kwargs(seq_len)
+            return self._probed[key]
+
+    @torch.no_grad()
+    def _record_layer_kwargs(self, seq_len: int) -> list[dict[str, Any]]:
+        recorded: dict[int, dict[str, Any]] = {}
+        thread_id = threading.get_ident()
+
+        def recorder(idx: int):
+            def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                if threading.get_ident() == thread_id:
+                    recorded[idx] = {k: v for k, v in kwargs.items() if k not in _PROBE_DROPPED}
+            return pre_hook
+
+        handles = [layer.register_forward_pre_hook(recorder(idx), with_kwargs=True)
+                   for idx, layer in enumerate(self.layers)]
+        input_ids_1T = torch.zeros(1, seq_len, dtype=torch.long, device=self.device)
+        try:
+            self._base(input_ids=input_ids_1T, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert len(recorded) == self.num_layers, "a layer did not run in the probe forward"
+        return [recorded[idx] for idx in range(self.num_layers)]
 
     @torch.no_grad()
     def capture(
@@ -225,14 +264,15 @@ class Teacher:
     # ------------------------------------------------------------------ after the stack
 
     def final_hidden(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """The model's last_hidden_state given the last layer's output: the final norm
-        for decoders, the identity for BERT (whose layers end in their own LayerNorm)."""
-        if self.family == "llama":
-            return self._base.norm(hidden_BTD)
-        return hidden_BTD
+        """The model's last_hidden_state given the last layer's output: the family's final
+        norm, or the identity where layers end in their own norm (BERT)."""
+        if self.adapter.final_norm is None:
+            return hidden_BTD
+        return self._base.get_submodule(self.adapter.final_norm)(hidden_BTD)
 
     def final_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Next-token logits_BTV from the last layer's output: final norm then lm_head."""
+        """Next-token logits_BTV from the last layer's output: final norm, lm_head, then the
+        family's logit scaling and soft-cap, as the model's forward does."""
         if self.family != "llama":
             raise ValueError(
                 f"final_logits needs a causal LM teacher; `teacher.name_or_path={self.name_or_path}` "
@@ -244,7 +284,13 @@ class Teacher:
                 f"`teacher.name_or_path={self.name_or_path}` loaded without an lm_head "
                 f"({type(self.model).__name__}). Save it as a *ForCausalLM checkpoint."
             )
-        return lm_head(self.final_hidden(hidden_BTD))
+        logits_BTV = lm_head(self.final_hidden(hidden_BTD))
+        transform = families.logits_transform(self.adapter, self.model.config)
+        if transform["divisor"] is not None:
+            logits_BTV = logits_BTV / transform["divisor"]
+        if transform["softcap"] is not None:
+            logits_BTV = torch.tanh(logits_BTV / transform["softcap"]) * transform["softcap"]
+        return logits_BTV
 
     # ------------------------------------------------------------------ cost
 
@@ -340,21 +386,6 @@ def _capture_hook(idx: int, captured: dict, stop: bool, thread_id: int):
     return hook
 
 
-def _detect_family(base: nn.Module) -> str:
-    """The family ("llama" or "bert") from the base model's structure, not its class name."""
-    if isinstance(getattr(base, "layers", None), nn.ModuleList) and hasattr(base, "rotary_emb"):
-        _check_decoder_attention(base.layers)
-        return "llama"
-    encoder = getattr(base, "encoder", None)
-    if isinstance(getattr(encoder, "layer", None), nn.ModuleList) and hasattr(base, "embeddings"):
-        return "bert"
-    raise ValueError(
-        f"Unsupported teacher architecture {type(base).__name__}: expected a decoder with "
-        "`.layers` and `.rotary_emb` (Llama, Qwen2, Mistral) or an encoder with "
-        "`.encoder.layer` (BERT). Choose another `teacher.name_or_path`."
-    )
-
-
 def _check_decoder_attention(layers: nn.ModuleList) -> None:
     """Causality relies on `is_causal` when sdpa gets no mask; make sure it is set."""
     for layer in layers:
@@ -371,16 +402,6 @@ def _is_causal(family: str, config: transformers.PretrainedConfig) -> bool:
     if family == "llama":
         return bool(getattr(config, "is_causal", True))
     return bool(getattr(config, "is_decoder", False))
-
-
-def _layer_type(layer: nn.Module | None) -> str:
-    """The attention type the layer (or its attention) declares; full attention by default."""
-    for owner in (layer, getattr(layer, "self_attn", None)):
-        for attr in ("attention_type", "layer_type"):
-            value = getattr(owner, attr, None)
-            if isinstance(value, str):
-                return value
-    return "full_attention"
 
 
 def parse_dtype(dtype: str) -> torch.dtype:

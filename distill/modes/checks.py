@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from distill.config import Mode, Parallel, Trainable
+from distill.model import family as families
 from distill.model.location import model_shape, read_config
 from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
@@ -33,6 +34,7 @@ def check_config(cfg: DictConfig) -> None:
     """Fail fast, before any process starts, on settings that cannot work."""
     _check_numbers(cfg)
     _check_quality_settings(cfg)
+    _check_family(cfg)
     num_layers, hidden = _teacher_shape(cfg)
     stages, batch_config = stage_layout(cfg, num_layers, hidden)
     if cfg.mode in (Mode.student, Mode.local):
@@ -113,6 +115,21 @@ def _check_hybrid(cfg: DictConfig) -> None:
             raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
                              f"there are {candidates} candidate layers (student.layers) and at least one "
                              "must be converted")
+
+
+def _check_family(cfg: DictConfig) -> None:
+    """An HF teacher's family is one distill reproduces, and the replacement kind fits its layers.
+
+    Checked on the teacher's config.json alone (no weights, no transformers), so an unsupported
+    family or kind fails here, naming the feature, instead of after minutes of loading or,
+    worse, in an export that differs from the teacher.
+    """
+    if not cfg.teacher.name_or_path:
+        return
+    target = OmegaConf.select(cfg, "replacement._target_")
+    kind = families.KIND_OF_TARGET.get(str(target)) if target is not None else None
+    options = OmegaConf.to_container(cfg.replacement) if OmegaConf.select(cfg, "replacement") is not None else {}
+    families.check_teacher(read_config(str(cfg.teacher.name_or_path)), kind, options)
 
 
 def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distill.model import family as families
 from distill.model.modeling import modeling_distill_bert, modeling_distill_llama
 from distill.model.native import student_config
 from distill.replacements import copy_teacher_layer, linear_flops_per_token, teacher_rotary
@@ -79,6 +80,7 @@ class AttentionSwapLayer(nn.Module):
     def __init__(self, teacher: Teacher, layer_idx: int, feature_map: str, feature_dim: int | None,
                  chunk_size: int, options: dict[str, Any]) -> None:
         super().__init__()
+        families.check_kind(teacher.adapter, self.kind)
         _check_options(self.kind, teacher.family, feature_map, feature_dim, chunk_size)
         layer = copy_teacher_layer(teacher, layer_idx)
         _check_structure(self.kind, teacher.family, layer)

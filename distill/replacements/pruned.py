@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from distill.model import family as families
 from distill.replacements import (
     TeacherHandle,
     check_layer_idx,
@@ -92,6 +93,7 @@ class PrunedLayer(nn.Module):
     ) -> None:
         super().__init__()
         check_layer_idx(teacher, layer_idx)
+        families.check_kind(teacher.adapter, "pruned", {"num_key_value_heads": num_key_value_heads})
         teacher_layer = teacher.layers[layer_idx]
         layout = _layout_for(teacher.family, teacher_layer)
         config = copy.deepcopy(teacher_layer.get_submodule(layout.config_owner).config)

@@ -43,8 +43,10 @@ class DistillBertConfig(PreTrainedConfig):
         teacher_model_type: str = "bert",
         teacher_classes: dict[str, str] | None = None,
         distill_layers: dict[str, dict[str, Any]] | None = None,
+        use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
+        self.use_cache = use_cache  # transformers 5 keeps it per model config, not in the base class
         self.teacher_model_type = teacher_model_type
         self.teacher_classes = dict(teacher_classes or {})
         self.distill_layers = {str(idx): dict(spec) for idx, spec in (distill_layers or {}).items()}

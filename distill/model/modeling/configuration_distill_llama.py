@@ -17,6 +17,14 @@ key at the top level as in the teacher's own ``config.json``) plus what makes it
                          kinds and their options are listed in ``LAYER_KINDS``
     layer_types          the cache layer each layer's decode state needs (see
                          ``modeling_distill_llama``); derived from the two above when absent
+    distill_embedding    how the teacher scales its embeddings, or null: ``{"scale", "in_weight_dtype",
+                         "on_inputs_embeds"}`` (Gemma: sqrt(hidden) in the weights' dtype, inside
+                         the lookup; Granite: ``embedding_multiplier`` on whatever enters layer 0)
+    distill_logits       what the teacher does to the LM head's output: ``{"divisor", "softcap"}``
+                         (Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``)
+    teacher_attn_implementation
+                         the teacher's attention implementation; the student loads with it unless
+                         the caller chooses another (Gemma-2's soft-capped attention needs "eager")
     sliding_window       the teacher's key, which transformers sizes every KV ring by: with
                          sliding-window + linear attention layers, their largest window unless
                          a teacher layer with a window of its own still runs
@@ -72,9 +80,19 @@ class DistillLlamaConfig(PreTrainedConfig):
         teacher_layer_types: list[str] | None = None,
         distill_layers: dict[str, dict[str, Any]] | None = None,
         layer_types: list[str] | None = None,
+        distill_embedding: dict[str, Any] | None = None,
+        distill_logits: dict[str, Any] | None = None,
+        teacher_attn_implementation: str | None = None,
+        use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
+        self.use_cache = use_cache  # transformers 5 keeps it per model config, not in the base class
         self.teacher_model_type = teacher_model_type
+        self.distill_embedding = dict(distill_embedding) if distill_embedding else None
+        self.distill_logits = dict(distill_logits or {"divisor": None, "softcap": None})
+        self.teacher_attn_implementation = teacher_attn_implementation
+        if teacher_attn_implementation and kwargs.get("attn_implementation") is None:
+            kwargs["attn_implementation"] = teacher_attn_implementation
         self.teacher_classes = dict(teacher_classes or {})
         self.distill_layers = {str(idx): dict(spec) for idx, spec in (distill_layers or {}).items()}
         super().__init__(**kwargs)

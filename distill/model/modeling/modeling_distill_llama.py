@@ -80,9 +80,12 @@ def past_length(cache: Cache | None, layer_idx: int) -> int:
     if cache is None or layer_idx >= len(cache.layers):
         return 0
     layer = cache.layers[layer_idx]
+    seen = getattr(layer, SEEN_TOKENS, None)
+    if seen is not None:  # ours first: transformers' linear layers count only the conv states they are given
+        return seen
     if isinstance(layer, CacheLayerMixin):
         return int(layer.get_seq_length())
-    return getattr(layer, SEEN_TOKENS, 0)
+    return 0
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
@@ -103,6 +106,9 @@ def store_state(cache: Cache | None, layer_idx: int, state: torch.Tensor | None,
         cache.update_recurrent_state(state, layer_idx)
     layer = cache.layers[layer_idx]
     setattr(layer, SEEN_TOKENS, getattr(layer, SEEN_TOKENS, 0) + num_new_tokens)
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor) and counter.dim() == 0:  # what cache.get_seq_length() reads (transformers >= 5.2x)
+        counter.add_(num_new_tokens)
 
 
 def window_ring(cache: Cache | None, layer_idx: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -1073,8 +1079,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
         cache = kwargs.pop("past_key_values", cache)
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         _check_cache(cache, self.config)
@@ -1109,6 +1114,20 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
         )
         return out if return_dict is not False else out.to_tuple()
+
+    def _embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """What enters layer 0, scaled as the teacher scales it (``config.distill_embedding``)."""
+        scaling = self.config.distill_embedding
+        if inputs_embeds is not None:
+            if scaling is None or not scaling["on_inputs_embeds"]:
+                return inputs_embeds
+            return inputs_embeds * scaling["scale"]
+        inputs_embeds = self.embed_tokens(input_ids)
+        if scaling is None:
+            return inputs_embeds
+        if scaling["in_weight_dtype"]:
+            return inputs_embeds * torch.tensor(scaling["scale"], dtype=self.embed_tokens.weight.dtype)
+        return inputs_embeds * scaling["scale"]
 
     def _teacher_masks(
         self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None, position_ids: torch.Tensor
@@ -1192,12 +1211,22 @@ class DistillLlamaForCausalLM(DistillLlamaPreTrainedModel, GenerationMixin):
         )
         hidden_BTD = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits_BTV = self.lm_head(hidden_BTD[:, keep, :])
+        logits_BTV = self._finish_logits(self.lm_head(hidden_BTD[:, keep, :]))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits_BTV, labels=labels, vocab_size=self.config.vocab_size)
         out = CausalLMOutputWithPast(loss=loss, logits=logits_BTV, cache=outputs.cache, hidden_states=outputs.hidden_states)
         return out if return_dict is not False else out.to_tuple()
+
+
+    def _finish_logits(self, logits_BTV: torch.Tensor) -> torch.Tensor:
+        """The teacher's scaling and soft-cap of its logits (``config.distill_logits``)."""
+        transform = self.config.distill_logits
+        if transform.get("divisor") is not None:
+            logits_BTV = logits_BTV / transform["divisor"]
+        if transform.get("softcap") is not None:
+            logits_BTV = torch.tanh(logits_BTV / transform["softcap"]) * transform["softcap"]
+        return logits_BTV
 
 
 DistillLlamaConfig.register_for_auto_class()

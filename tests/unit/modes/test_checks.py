@@ -99,3 +99,37 @@ def test_start_up_check_names_the_memory_a_run_needs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"each student rank needs at least 1184\.7 GiB \(teacher 131\.4 GiB"):
         check_config(_compose([*overrides, f"teacher.name_or_path={big}"]))
     check_config(_compose([*overrides, f"teacher.name_or_path={small}"]))
+
+
+def _teacher_dir(tmp_path: Path, model_type: str) -> Path:
+    """A directory with only the config.json of a small ``model_type`` teacher (the checks read nothing else)."""
+    path = tmp_path / model_type
+    path.mkdir()
+    config = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64, "architectures": ["X"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "message"), [
+    ("gpt_neox", [], "model_type='gpt_neox'.*parallel residual"),
+    ("modernbert", ["replacement=mlp"], "model_type='modernbert'"),
+    ("some_new_family", [], "no adapter"),
+    ("olmo2", ["replacement=linear_attention"], "replacement=linear_attention cannot reproduce the olmo2.*post|norms"),
+    ("phi3", ["replacement=pruned"], "replacement=pruned cannot reproduce the phi3.*fused"),
+    ("granite", ["replacement=sliding_window_linear"], "residual_multiplier"),
+    ("olmo2", ["replacement=pruned", "replacement.num_key_value_heads=1"], "replacement.num_key_value_heads"),
+])
+def test_a_family_or_kind_distill_cannot_reproduce_is_refused_before_any_process_starts(
+        tmp_path: Path, model_type: str, overrides: list[str], message: str) -> None:
+    teacher = _teacher_dir(tmp_path, model_type)
+    with pytest.raises(ValueError, match=message):
+        check_config(_compose(["teacher=hf", f"teacher.name_or_path={teacher}", *overrides]))
+
+
+@pytest.mark.parametrize(("model_type", "replacement"), [
+    ("gemma2", "copy"), ("granite", "mlp"), ("phi3", "lowrank"), ("olmo2", "pruned"), ("mistral", "linear_attention"),
+])
+def test_a_family_and_kind_distill_reproduces_passes_the_family_check(
+        tmp_path: Path, model_type: str, replacement: str) -> None:
+    teacher = _teacher_dir(tmp_path, model_type)
+    check_config(_compose(["teacher=hf", f"teacher.name_or_path={teacher}", f"replacement={replacement}"]))
