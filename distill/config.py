@@ -173,6 +173,14 @@ class PipelineConfig:
     """Most samples a teacher worker runs in one forward."""
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3
+    broker_wait_s: float = 600.0
+    """Students: the longest a call to the broker (HELLO, SET_MODEL, STOP) waits for its answer
+    while the broker shows signs of life (its process runs, under mode=local; it answers
+    heartbeats). A broker that is gone fails the call sooner: at once when its process is
+    known to have exited, else after 10 s without a word from it."""
+    broker_pid: int | None = None
+    """Set by mode=local for its students: the broker's process, which runs beside them (the
+    students wait while it runs and fail once it has exited); null = not known."""
     broker_host: str | None = None
     """null = ipc sockets in socket_dir (one machine); else the address every process
     reaches the broker at over TCP (the broker binds it: give an address of its machine)."""

@@ -80,6 +80,13 @@ def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> 
            heartbeat_interval_s=heartbeat_interval_s).run()
 
 
+def run_late_broker(endpoints: dict[str, str], delay_s: float, heartbeat_interval_s: float = 0.2) -> None:
+    """A broker whose process runs ``delay_s`` before it serves (one importing torch on a loaded
+    machine took minutes)."""
+    time.sleep(delay_s)
+    run_broker(endpoints, heartbeat_interval_s)
+
+
 def run_worker(endpoints: dict[str, str], floats: int = PAYLOAD_FLOATS, max_batch: int = 16,
                heartbeat_interval_s: float = 0.2, local_shm: bool = True,
                curve: CurveConfig | None = None, direct_requests: bool = True) -> None:

@@ -6,10 +6,12 @@ overrides plus a run id, a private socket directory and this job's run directory
 so a sweep's jobs never share sockets or shared memory. While the job runs, its run
 directory holds ``add_worker.sh``: the same worker command, so more teachers can join
 the running job (``sh <run dir>/add_worker.sh device.worker_gpu=3``; they get work
-within a heartbeat, and stop with the job). The supervisor waits for
-the students; on success, Ctrl-C, SIGTERM, or any child dying, it stops every
-child, and the kernel stops them too if the supervisor itself is killed
-(PR_SET_PDEATHSIG).
+within a heartbeat, and stop with the job). The children start together; the students
+are told the broker's process (``pipeline.broker_pid``), so they wait for a broker that is
+still starting (it may take minutes on a loaded machine) and fail at once if it exits.
+The supervisor waits for the students; on success, Ctrl-C, SIGTERM, or any child
+dying, it stops every child, and the kernel stops them too if the supervisor itself is
+killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 TERMINATE_GRACE_S = 10.0
 OWN_KEYS = ("mode=", "run_id=", "pipeline.socket_dir=", "hydra.run.dir=", "hydra.output_subdir=",
-            "hydra.job.name=", "device.student_gpus=")
+            "hydra.job.name=", "device.student_gpus=", "pipeline.broker_pid=")
 
 
 @dataclass
@@ -81,12 +83,13 @@ def run_local(cfg: DictConfig) -> None:
     started = time.monotonic()
     add_worker = out / ADD_WORKER_SCRIPT
     try:
-        children.append(_spawn("broker", ["mode=broker", *common, "hydra.job.name=broker"], out))
+        broker = _spawn("broker", ["mode=broker", *common, "hydra.job.name=broker"], out)
+        children.append(broker)
         _write_add_worker(add_worker, common)
         for i in range(cfg.local.num_workers):
             children.append(_spawn(f"worker{i}", ["mode=worker", *common, f"hydra.job.name=worker{i}"], out))
-        children.append(_spawn("students", ["mode=student", *common, *student_gpus, "hydra.job.name=student"],
-                               out, torchrun_ranks=cfg.local.num_students))
+        children.append(_spawn("students", ["mode=student", *common, *student_gpus, *_student_overrides(broker),
+                                            "hydra.job.name=student"], out, torchrun_ranks=cfg.local.num_students))
         _wait_for_students(children)
         _report_time_split(out, children[0], time.monotonic() - started, cfg.local.num_workers)
         log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)
@@ -136,6 +139,14 @@ def _child_overrides(run_id: str, socket_dir: str, out: Path) -> list[str]:
     task = [o for o in HydraConfig.get().overrides.task if not o.startswith(OWN_KEYS)]
     return [*task, f"run_id={run_id}", f"pipeline.socket_dir={socket_dir}", f"hydra.run.dir={out}",
             "hydra.output_subdir=null"]
+
+
+def _student_overrides(broker: Child) -> list[str]:
+    """What the students are told of their broker: its process. It starts beside them and may
+    take minutes before it serves (it imports torch, on a machine every child is loading at
+    once); the students wait for it while it runs, up to ``pipeline.broker_wait_s``, and
+    fail at once if it exits (its log is tailed here, ``_wait_for_students``)."""
+    return [f"pipeline.broker_pid={broker.proc.pid}"]
 
 
 def _spawn(name: str, overrides: list[str], out: Path, torchrun_ranks: int | None = None) -> Child:

@@ -30,8 +30,13 @@ from distill.pipeline import protocol
 from distill.pipeline.auth import CurveConfig, HandshakeWatch, secure_client
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
-from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
-from distill.pipeline.pool import CONTROL_TIMEOUT_MS, DEFAULT_RUN, PoolConfig, SlotPool
+from distill.pipeline.liveness import (
+    BROKER_SILENCE_S,
+    BROKER_WAIT_S,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_LIVENESS,
+)
+from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.sizing import chosen_slots
@@ -81,6 +86,13 @@ class StudentConfig:
     direct_requests: bool = True
     pending_deadline_s: float | None = None
     """See :class:`~distill.pipeline.pool.PoolConfig`."""
+    broker_pid: int | None = None
+    """The broker's process on this machine (mode=local sets it): HELLO, SET_MODEL and STOP
+    wait while it runs and fail once it has exited (see ``PoolConfig``)."""
+    broker_wait_s: float = BROKER_WAIT_S
+    """The longest HELLO, SET_MODEL and STOP wait for a broker that shows signs of life."""
+    broker_silence_s: float = BROKER_SILENCE_S
+    """Without ``broker_pid``: give up on a broker not heard from for this long."""
 
     def __post_init__(self) -> None:
         missing = [name for name in ("student_rank", "batch_config") if getattr(self, name) is None]
@@ -130,7 +142,8 @@ class StudentClient:
                               heartbeat_liveness=cfg.heartbeat_liveness, medium=cfg.medium,
                               tcp_host=cfg.tcp_host, curve=self._keys, notices=cfg.notices,
                               notice_dir=cfg.notice_dir, direct_requests=cfg.direct_requests,
-                              pending_deadline_s=cfg.pending_deadline_s))
+                              pending_deadline_s=cfg.pending_deadline_s, broker_pid=cfg.broker_pid,
+                              broker_wait_s=cfg.broker_wait_s, broker_silence_s=cfg.broker_silence_s))
         self._pool.on_rejoin = self._rejoin
         self._control_lock = threading.Lock()  # a restore never interleaves with a switch
         self._keeper: threading.Thread | None = None
@@ -288,19 +301,19 @@ class StudentClient:
             sub.close(linger=0)
 
     def _control(self, command: Command, body: dict) -> protocol.Message:
+        """Send ``command`` on a connection of its own and wait for the broker's answer, as
+        long as the broker shows signs of life (``liveness.BrokerPatience``)."""
         ctx = zmq.Context.instance()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), self._keys)
         watch = HandshakeWatch(sock) if self._keys is not None else None
         sock.connect(self.control_endpoint)
         try:
             protocol.send(sock, command, body)
-            deadline = time.monotonic() + CONTROL_TIMEOUT_MS / 1000
+            wait = self._pool.wait_for_broker(command, self.control_endpoint)
             while not sock.poll(100):
                 if watch is not None and (refusal := watch.refusal()) is not None:
                     raise PermissionError(f"{command.name} not delivered: {refusal}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no answer to {command.name} from {self.control_endpoint}: "
-                                       "is the broker running?")
+                wait.check()
             return protocol.recv(sock)
         finally:
             if watch is not None:
@@ -337,7 +350,7 @@ class StudentClient:
             if known is not None:  # a new broker instance answers: it has no model for our run
                 try:
                     self._rejoin()
-                except TimeoutError as exc:
+                except (TimeoutError, ConnectionError) as exc:
                     log.warning("%s; retrying at the next heartbeat", exc)
                     continue
             known = broker_id

@@ -5,6 +5,9 @@ step), so heartbeats are sent by a daemon thread on a socket of its own. The
 broker answers each HEARTBEAT with its instance id: silence from the broker for ``HEARTBEAT_LIVENESS``
 intervals means it is gone, a new instance id that it restarted, and a RECONNECT
 answer that it has forgotten us. Either way the owner re-registers.
+
+A student's calls that wait for the broker's answer (HELLO, SET_MODEL, STOP) wait as
+long as the broker shows signs of life, and no longer (:class:`BrokerPatience`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -31,6 +35,11 @@ HEARTBEAT_LIVENESS = 3
 MIN_INTERVAL_S = 0.01
 RECONNECT_INTERVAL_INIT_S = 0.1
 RECONNECT_INTERVAL_MAX_S = 5.0
+BROKER_SILENCE_S = 10.0
+"""A call gives up on a broker it has heard nothing from for this long (when it cannot ask
+the broker's process)."""
+BROKER_WAIT_S = 600.0
+"""The longest a call waits for the broker's answer, however alive the broker looks."""
 
 
 def new_peer_id(role: str) -> str:
@@ -55,6 +64,8 @@ class Heartbeater:
         self.interval_s = interval_s
         self.liveness = liveness
         self.last_heard = time.monotonic()
+        self.last_answer: float | None = None
+        """When the broker last answered (monotonic; None: it never has)."""
         self.broker_id: str | None = None  # the broker instance that answers us
         self.forgotten = threading.Event()  # broker answered RECONNECT, or restarted
         self.introduced = threading.Event()  # some broker instance has answered (broker_id is set)
@@ -130,7 +141,7 @@ class Heartbeater:
         except ProtocolError as exc:
             log.warning("heartbeat: bad reply from broker: %s", exc.reason)
             return
-        self.last_heard = time.monotonic()
+        self.last_heard = self.last_answer = time.monotonic()
         if msg.command is Command.RECONNECT:
             self.forgotten.set()
         elif msg.command is Command.HEARTBEAT:
@@ -192,6 +203,106 @@ def process_alive(token: str | None) -> bool | None:
         return None
     now = start_time(pid)
     return now is not None and now[0] == started and now[1] not in ("Z", "X")
+
+
+# --------------------------------------------------------------------------- waiting for the broker
+@dataclass(frozen=True)
+class BrokerPatience:
+    """How long a student's calls wait for the broker's answer (HELLO, SET_MODEL, STOP).
+
+    A live broker that is merely slow is waited for, one that is gone fails the call fast.
+    A broker starting on a loaded machine can take minutes before it serves (its process
+    imports torch), and one starved of CPU or stopped answers nothing for as long: a fixed
+    timeout takes either for a dead one. The signs of life, in this order:
+
+    - the broker's process, when the caller knows it (``pid``: mode=local's students, whose
+      broker runs beside them): exited, the call fails at once; running, the call waits;
+    - else anything heard from the broker (a heartbeat answer, a message on the call's own
+      socket): the call gives up after ``silence_s`` without one;
+
+    and no call waits past ``max_wait_s``. Build it with :meth:`of`, which names the
+    process as it is now (a pid recycled later is not taken for the broker).
+    """
+
+    pid: int | None = None
+    token: str | None = None
+    """The broker's :func:`process_token` (None with a ``pid``: it had exited already)."""
+    silence_s: float = BROKER_SILENCE_S
+    max_wait_s: float = BROKER_WAIT_S
+
+    @classmethod
+    def of(cls, pid: int | None, silence_s: float = BROKER_SILENCE_S,
+           max_wait_s: float = BROKER_WAIT_S) -> BrokerPatience:
+        token = process_token(pid) if pid is not None else None
+        if pid is not None and token is None and _pid_exists(pid):
+            pid = None  # it runs, but this system cannot name it (no /proc): its answers tell
+        return cls(pid, token, silence_s, max_wait_s)
+
+    def broker_runs(self) -> bool | None:
+        """Whether the broker's process runs (None: not known, or not from here)."""
+        if self.pid is None:
+            return None
+        return process_alive(self.token) if self.token is not None else False
+
+
+class BrokerWait:
+    """One call's wait for the broker's answer, under a :class:`BrokerPatience`.
+
+    ``what`` says what is missing (``no answer to SET_MODEL from the broker at ...``);
+    ``timeout_s`` bounds this call further (a caller that asks again itself).
+    """
+
+    def __init__(self, what: str, heart: Heartbeater, patience: BrokerPatience,
+                 timeout_s: float | None = None) -> None:
+        self.what = what
+        self.heart = heart
+        self.patience = patience
+        self.limit_s = patience.max_wait_s if timeout_s is None else min(timeout_s, patience.max_wait_s)
+        self.started = time.monotonic()
+        self.last_heard: float | None = None
+        """When something last came on the call's own socket (None: nothing yet)."""
+
+    def heard(self) -> None:
+        """Something came from the broker on the call's own socket."""
+        self.last_heard = time.monotonic()
+
+    def check(self) -> None:
+        """Raise when the call should stop waiting: ConnectionError when the broker's process
+        has exited, TimeoutError past the limit or after ``silence_s`` of silence."""
+        patience, now = self.patience, time.monotonic()
+        runs = patience.broker_runs()
+        if runs is False:
+            raise ConnectionError(f"{self.what}: the broker's process (pid {patience.pid}) has exited")
+        waited_s = now - self.started
+        if waited_s >= self.limit_s:
+            knob = "; raise broker_wait_s (pipeline.broker_wait_s) to wait longer" \
+                if self.limit_s >= patience.max_wait_s else ""
+            raise TimeoutError(f"{self.what} in {waited_s:.0f}s ({self._signs(runs, now)}){knob}")
+        silent_s = now - max(self.started, self._heard_at() or self.started)
+        if not runs and silent_s >= patience.silence_s:
+            raise TimeoutError(f"{self.what}: nothing heard from the broker for {patience.silence_s:.0f}s; is "
+                               "`python -m distill mode=broker` running?")
+
+    def _heard_at(self) -> float | None:
+        """When the broker was last heard from, here or by the heartbeats (None: never)."""
+        times = [t for t in (self.last_heard, self.heart.last_answer) if t is not None]
+        return max(times, default=None)
+
+    def _signs(self, runs: bool | None, now: float) -> str:
+        if runs:
+            return f"its process, pid {self.patience.pid}, runs"
+        heard = self._heard_at()
+        return f"last heard from {now - heard:.0f}s ago" if heard is not None else "never heard from"
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # --------------------------------------------------------------------------- writers

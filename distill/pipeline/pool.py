@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -45,8 +44,12 @@ from distill.pipeline.batch import BatchConfig
 from distill.pipeline.custody import Custody
 from distill.pipeline.delivery import Delivery
 from distill.pipeline.liveness import (
+    BROKER_SILENCE_S,
+    BROKER_WAIT_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
+    BrokerPatience,
+    BrokerWait,
     Heartbeater,
     new_peer_id,
 )
@@ -62,7 +65,6 @@ from distill.pipeline.throttle import LogThrottle
 log = logging.getLogger(__name__)
 
 DEFAULT_RUN = "default"
-CONTROL_TIMEOUT_MS = 10_000
 MEDIUMS = ("shm", "tcp")
 
 
@@ -92,6 +94,18 @@ class PoolConfig:
     pending_deadline_s: float | None = None
     """How long a slot may stay PENDING before it is looked at and asked for again (None:
     8 x the typical fill time, at least twice the broker's liveness window; ``custody.py``)."""
+    broker_pid: int | None = None
+    """The broker's process, when it runs on this machine (mode=local sets it): while it runs,
+    a call to the broker waits for its answer (up to ``broker_wait_s``); once it has exited,
+    the call fails at once. None: only what is heard from the broker tells
+    (:class:`~distill.pipeline.liveness.BrokerPatience`). A broker restarted under another
+    pid is not followed: leave it None then."""
+    broker_wait_s: float = BROKER_WAIT_S
+    """The longest a call to the broker (HELLO, SET_MODEL, STOP) waits for its answer while
+    the broker shows signs of life."""
+    broker_silence_s: float = BROKER_SILENCE_S
+    """Without ``broker_pid``, a call to the broker gives up after this long without hearing
+    from it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.slot_count, bool) or not isinstance(self.slot_count, int) or self.slot_count < 1:
@@ -100,6 +114,12 @@ class PoolConfig:
             raise ValueError(f"medium={self.medium!r}: choose one of {MEDIUMS} (pipeline.medium)")
         if self.pending_deadline_s is not None and not self.pending_deadline_s > 0:
             raise ValueError(f"pending_deadline_s={self.pending_deadline_s!r}: must be > 0 (or None: automatic)")
+        if not self.broker_wait_s > 0:  # NaN fails too
+            raise ValueError(f"broker_wait_s={self.broker_wait_s!r}: must be > 0 seconds (pipeline.broker_wait_s)")
+        if not self.broker_silence_s > 0:
+            raise ValueError(f"broker_silence_s={self.broker_silence_s!r}: must be > 0 seconds")
+        if self.broker_pid is not None and (isinstance(self.broker_pid, bool) or self.broker_pid < 1):
+            raise ValueError(f"broker_pid={self.broker_pid!r}: a process id, or None (pipeline.broker_pid)")
 
 
 class SlotPool:
@@ -162,6 +182,8 @@ class SlotPool:
         self.heart = Heartbeater(cfg.frontend_endpoint, self.peer_id, cfg.role,
                                   interval_s=cfg.heartbeat_interval_s, liveness=cfg.heartbeat_liveness,
                                   keys=keys, first_beat_now=True).start()
+        self.patience = BrokerPatience.of(cfg.broker_pid, cfg.broker_silence_s, cfg.broker_wait_s)
+        """How long calls to the broker wait for its answer (``liveness.py``)."""
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0,
                        "quarantined": 0, "released": 0, "refused": 0, "notices": 0,
@@ -278,14 +300,13 @@ class SlotPool:
             rest.extend(group)
         return rest
 
-    def _send(self, command: Command, body: dict[str, Any], deadline: float = math.inf) -> None:
+    def _send(self, command: Command, body: dict[str, Any], wait: BrokerWait | None = None) -> None:
         """Send to the broker, raising rather than blocking forever when it refuses our key
-        (ZeroMQ then has no route for the message) or ``deadline`` passes."""
+        (ZeroMQ then has no route for the message) or ``wait`` gives up on the broker."""
         def go_on() -> bool:
             self._check_refused()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.peer_id}: could not send {command.name} to the broker at "
-                                   f"{self._sock.last_endpoint.decode()}: is it running?")
+            if wait is not None:
+                wait.check()
             return True
         protocol.send_patiently(self._sock, command, body, go_on)
 
@@ -458,22 +479,30 @@ class SlotPool:
         self.custody.on_broker_restart(pending)
         self.flush()
 
-    def hello(self, rank: int, timeout_ms: float = CONTROL_TIMEOUT_MS) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_ms / 1000
-        self._send(Command.HELLO, {"run_id": self.run_id, "peer_id": self.peer_id, "rank": rank}, deadline)
-        while (left := deadline - time.monotonic()) > 0:
+    def wait_for_broker(self, command: Command, endpoint: str, timeout_ms: float | None = None) -> BrokerWait:
+        """A call's wait for the broker's answer to ``command`` sent to ``endpoint``:
+        as long as the broker shows signs of life (``liveness.BrokerPatience``)."""
+        return BrokerWait(f"{self.peer_id}: no answer to {command.name} from the broker at {endpoint}",
+                          self.heart, self.patience, None if timeout_ms is None else timeout_ms / 1000)
+
+    def hello(self, rank: int, timeout_ms: float | None = None) -> dict[str, Any]:
+        """Register with the broker; its WELCOME (the run's model and generation). Waits as
+        long as the broker shows signs of life (or ``timeout_ms``, a caller asking again)."""
+        wait = self.wait_for_broker(Command.HELLO, self._sock.last_endpoint.decode(), timeout_ms)
+        self._send(Command.HELLO, {"run_id": self.run_id, "peer_id": self.peer_id, "rank": rank}, wait)
+        while True:
             self._check_refused()
-            if self._sock.poll(min(left, 0.1) * 1000):
+            if self._sock.poll(100):
+                wait.heard()
                 try:
                     welcome = self._on_message(protocol.recv(self._sock))
                 except ProtocolError as exc:
                     self._refusals.warning("bad message from broker: %s", exc.reason)
-                    continue
+                    welcome = None
                 if welcome is not None:
                     self._meet_broker()  # so a leader can tell this broker from a restarted one
                     return welcome
-        raise TimeoutError(f"no answer from the broker at {self._sock.last_endpoint.decode()} in "
-                           f"{timeout_ms / 1000:.0f}s: is `python -m distill mode=broker` running?")
+            wait.check()
 
     def slot_tensors(self, slot_idx: int, batch_config: BatchConfig) -> tuple[memoryview, dict]:
         """The payload of a slot and views of its tensors (fresh tensor objects over

@@ -96,14 +96,16 @@ def worker_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 
 def control_client(cfg: DictConfig, rank: int, batch_config: BatchConfig) -> StudentClient:
-    """A rank's control connection (stage switches, the leader's generation). Its one slot (a
-    client needs a medium; one sample of shared memory, counted by
+    """A rank's control connection (stage switches, the leader's generation), patient with a
+    broker that is alive but slow (``pipeline.broker_wait_s``, ``pipeline.broker_pid``). Its
+    one slot (a client needs a medium; one sample of shared memory, counted by
     ``distill.train.sizing.shm_bytes``) is never asked for: each stage's samples come through
     :func:`stage_dataset`."""
     eps = endpoints(cfg)
     return StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                          run_id=run_id(cfg), **_heartbeats(cfg), curve=curve_config(cfg),
-                         share_model=cfg.pipeline.fan_out, notices=False)
+                         share_model=cfg.pipeline.fan_out, notices=False,
+                         broker_wait_s=cfg.pipeline.broker_wait_s, broker_pid=cfg.pipeline.broker_pid)
 
 
 def stage_dataset(cfg: DictConfig, rank: int, generation_value: Any, batch_config: BatchConfig,

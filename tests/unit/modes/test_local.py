@@ -1,6 +1,7 @@
 """The mode=local supervisor's parts, on real child processes: it notices a child's death and
 says where its log is, stops everything (STOP, then SIGTERM, then SIGKILL for a child that
-ignores SIGTERM), passes the user's overrides on without its own, and records the time split."""
+ignores SIGTERM), passes the user's overrides on without its own, tells the students their
+broker's process, and records the time split."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from distill.config import CONF_DIR, register_configs
 from distill.modes import local
 from distill.pipeline import protocol
 from distill.pipeline.protocol import Command
+from distill.train.transport import control_client
+from tests import peers
+from tests.unit.test_config import _compose
 
 SLEEPER = "import time; time.sleep(60)"
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -104,6 +108,41 @@ def test_children_get_the_user_overrides_but_not_the_supervisor_s_own(tmp_path: 
     assert out[:2] == ["replacement=mlp", "student.lr=0.01"]
     assert out[2:] == ["run_id=run7", "pipeline.socket_dir=/sock/dir", f"hydra.run.dir={tmp_path / 'run'}",
                        "hydra.output_subdir=null"]
+
+
+def test_the_supervisor_s_own_broker_pid_replaces_the_user_s(tmp_path: Path) -> None:
+    register_configs()
+    user = ["mode=local", "pipeline.broker_pid=1", f"hydra.run.dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=user, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        out = local._child_overrides("run7", "/sock/dir", tmp_path / "run")
+    finally:
+        HydraConfig.instance().cfg = None
+    assert not [o for o in out if o.startswith("pipeline.broker_pid=")]
+
+
+def test_the_students_wait_on_their_broker_s_process(children, tmp_path: Path) -> None:
+    """The students' command names the broker's process, and their control client (built from
+    the composed config, as mode=student builds it) waits while it runs and fails at once,
+    naming it, when it has exited."""
+    broker = _child(children, "broker", SLEEPER)
+    overrides = local._student_overrides(broker)
+    assert overrides == [f"pipeline.broker_pid={broker.proc.pid}"]
+    cfg = _compose(["mode=student", *overrides, f"pipeline.socket_dir={tmp_path}"])
+    client = control_client(cfg, 0, peers.batch_config())
+    try:
+        assert client.config.broker_wait_s == cfg.pipeline.broker_wait_s == 600
+        assert client._pool.patience.broker_runs() is True
+        broker.proc.kill()
+        broker.proc.wait()
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"HELLO .*\(pid {broker.proc.pid}\) has exited"):
+            client.hello()
+        assert time.monotonic() - started < 2
+    finally:
+        client.close()
 
 
 def test_add_worker_sh_is_the_jobs_own_worker_command(tmp_path: Path) -> None:
