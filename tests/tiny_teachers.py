@@ -35,7 +35,7 @@ def tiny_bert(vocab_size: int, num_layers: int) -> Teacher:
 
 # ---------------------------------------------------------------------- one small teacher per family
 
-DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "granite", "phi3", "olmo2")
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2")
 ENCODER_FAMILIES = ("bert", "roberta")
 SEQ_LEN = 12
 """Tests run chunks of this length: longer than every family's sliding window below."""
@@ -63,6 +63,9 @@ def family_config(model_type: str, num_layers: int = 3, vocab_size: int = 96) ->
         "gemma2": lambda: transformers.Gemma2Config(
             **decoder, head_dim=8, sliding_window=4, final_logit_softcapping=3.0,
             attn_logit_softcapping=5.0, query_pre_attn_scalar=6),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(
+            **decoder, head_dim=8, sliding_window=4, final_logit_softcapping=3.0, query_pre_attn_scalar=6,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"] * (num_layers % 2)),
         "granite": lambda: transformers.GraniteConfig(
             **decoder, embedding_multiplier=6.0, logits_scaling=4.0, residual_multiplier=0.3,
             attention_multiplier=0.2),

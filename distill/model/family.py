@@ -76,6 +76,11 @@ FAMILIES: dict[str, Family] = {
                                           "query_pre_attn_scalar"),
         ),
         Family(
+            "gemma3_text", **_DECODER, embedding_scale="sqrt_hidden", logits_softcap_key="final_logit_softcapping",
+            refused_kinds=_linear_refused("norms after attention and MLP, q/k norms and rotary embeddings per "
+                                          "layer type"),
+        ),
+        Family(
             "granite", **_DECODER, embedding_scale="embedding_multiplier", logits_divisor_key="logits_scaling",
             refused_kinds=_linear_refused("residual_multiplier and attention_multiplier"),
         ),
@@ -108,8 +113,7 @@ NOT_SUPPORTED: dict[str, str] = {
     "falcon": "parallel residual attention+MLP and fused projections",
     "phi": "parallel residual attention+MLP and partial rotary",
     "modernbert": "an encoder with alternating local/global rotary attention",
-    "gemma3_text": "rotary embeddings per layer type (local and global bases)",
-    "gemma3": "a multimodal wrapper (and rotary embeddings per layer type)",
+    "gemma3": "vision tower and multimodal wrapper (load the text model: Gemma3ForCausalLM, model_type gemma3_text)",
     "cohere": "parallel residual attention+MLP and a logit_scale",
     "mixtral": "mixture-of-experts MLPs",
     "qwen2_moe": "mixture-of-experts MLPs",

@@ -61,6 +61,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .configuration_distill_llama import HYBRID_LAYER_TYPE, RECURRENT_LAYER_TYPE, DistillLlamaConfig
 
@@ -731,7 +732,7 @@ class LinearAttentionBlock(nn.Module):
         self.mlp = layer.mlp
         weight = attn.q_proj.weight
         if rotary_emb is None:
-            rotary_emb = teacher_class(config, "rotary")(config=config)
+            rotary_emb = teacher_class(config, "rotary")(config=teacher_view(config))
         self.rotary_emb = rotary_emb
         self.head_dim = attn.head_dim
         self.num_kv_groups = attn.num_key_value_groups
@@ -868,6 +869,14 @@ def factorise(layer: nn.Module, ranks: dict[str, int]) -> None:
         layer.set_submodule(name, low_rank)
 
 
+def teacher_view(config: DistillLlamaConfig) -> DistillLlamaConfig:
+    """``config`` as the teacher's classes read it: ``layer_types`` are the teacher's attention
+    types (the student's own are its cache layers), which Gemma-3's rotary embedding keys its bases by."""
+    view = copy.copy(config)
+    view.layer_types = list(config.teacher_layer_types)
+    return view
+
+
 def layer_config(config: DistillLlamaConfig, overrides: dict[str, Any]) -> DistillLlamaConfig:
     """``config`` with one layer's overrides (a pruned layer's sizes); itself when there are none."""
     if not overrides:
@@ -876,6 +885,18 @@ def layer_config(config: DistillLlamaConfig, overrides: dict[str, Any]) -> Disti
     for key, value in overrides.items():
         setattr(out, key, value)
     return out
+
+
+def rotary_of_type(rotary_emb: nn.Module, hidden_BTD: torch.Tensor, position_ids: torch.Tensor,
+                   layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) for layers of ``layer_type``: Gemma-3's rotary embedding keeps one base per
+    layer type and takes the type; the others have one for all layers."""
+    forward = type(rotary_emb).forward
+    while hasattr(forward, "__wrapped__"):  # under torch.no_grad and rope-update decorators
+        forward = forward.__wrapped__
+    if "layer_type" in forward.__code__.co_varnames[: forward.__code__.co_argcount]:
+        return rotary_emb(hidden_BTD, position_ids, layer_type)
+    return rotary_emb(hidden_BTD, position_ids)
 
 
 def run_teacher_layer(
@@ -906,7 +927,7 @@ def run_teacher_layer(
     output = layer(
         hidden_BTD,
         attention_mask=mask,
-        position_embeddings=rotary_emb(hidden_BTD, position_ids),
+        position_embeddings=rotary_of_type(rotary_emb, hidden_BTD, position_ids, layer_type),
         position_ids=position_ids,
         cache=cache,
         use_cache=cache is not None,
@@ -927,7 +948,7 @@ class DistillLlamaTeacherLayer(nn.Module):
         own_config = layer_config(config, spec.get("config_overrides") or {})
         self.layer = teacher_class(config, "layer")(own_config, layer_idx)
         factorise(self.layer, spec.get("ranks") or {})
-        self.rotary_emb = teacher_class(config, "rotary")(config=config)
+        self.rotary_emb = teacher_class(config, "rotary")(config=teacher_view(config))
         self.layer_type = config.teacher_layer_types[layer_idx]
 
     def forward(
@@ -1032,7 +1053,9 @@ class DistillLlamaPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """The defaults, plus our parameters' start: feature maps at the identity, the window weight, the gate."""
         super()._init_weights(module)
-        if isinstance(module, FeatureMap):
+        if isinstance(getattr(module, "rope_type", None), dict):
+            _init_rotary_per_layer_type(module)
+        elif isinstance(module, FeatureMap):
             num_heads, head_dim, feature_dim = module.weight_HEF.shape
             eye_HEF = torch.eye(head_dim, feature_dim).expand(num_heads, -1, -1)
             init.copy_(module.weight_HEF, eye_HEF.to(module.weight_HEF.dtype))
@@ -1044,6 +1067,17 @@ class DistillLlamaPreTrainedModel(PreTrainedModel):
             init.constant_(module.gate.bias, gate_bias(module.gate_init))
 
 
+def _init_rotary_per_layer_type(module: nn.Module) -> None:
+    """Rotary buffers of a rotary embedding with one base per layer type (Gemma-3), as its own
+    family initialises them: they are not saved, and transformers' generic init knows one base."""
+    for layer_type in module.layer_types:
+        rope_type = module.rope_type[layer_type]
+        rope_fn = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, _ = rope_fn(module.config, layer_type=layer_type)
+        init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
+        init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
+
+
 class DistillLlamaModel(DistillLlamaPreTrainedModel):
     """The decoder: teacher embeddings, layers (teacher's or replaced), final norm."""
 
@@ -1053,7 +1087,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([_build_layer(config, idx) for idx in range(config.num_hidden_layers)])
         self.norm = teacher_class(config, "norm")(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = teacher_class(config, "rotary")(config=config)
+        self.rotary_emb = teacher_class(config, "rotary")(config=teacher_view(config))
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -1087,7 +1121,8 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             past = past_length(cache, 0)
             position_ids = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         masks = self._teacher_masks(inputs_embeds, attention_mask, cache, position_ids)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        position_embeddings = {layer_type: rotary_of_type(self.rotary_emb, inputs_embeds, position_ids, layer_type)
+                               for layer_type in set(self.config.teacher_layer_types)}
         hidden_BTD, all_hidden = inputs_embeds, []
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
@@ -1098,7 +1133,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             hidden_BTD = layer(
                 hidden_BTD,
                 attention_mask=masks[self.config.teacher_layer_types[idx]],
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[self.config.teacher_layer_types[idx]],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
