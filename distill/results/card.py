@@ -70,7 +70,7 @@ def _usage(facts: dict) -> str:
         "## Usage", "",
         "The directory carries its own modeling code (model type `distill_llama` / `distill_bert`), so "
         "transformers needs `trust_remote_code=True`; without it, loading fails rather than giving the teacher's "
-        "architecture with missing weights. distill itself is not needed.", "",
+        "architecture with missing weights. distill itself is not needed; transformers>=5.24 is.", "",
         "```python", f"from transformers import AutoTokenizer, {auto}",
         f"model = {auto}.from_pretrained(\"path/to/student\", trust_remote_code=True)",
         "tok = AutoTokenizer.from_pretrained(\"path/to/student\", trust_remote_code=True)  # it reads config.json too",

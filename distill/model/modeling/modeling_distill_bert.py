@@ -43,9 +43,16 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPoolingAndCrossAttentions,
+)
 
 from .configuration_distill_bert import DistillBertConfig
+
+if "cache" not in BaseModelOutputWithPast.__dataclass_fields__:  # its `past_key_values` before transformers 5.24
+    raise ImportError("this distilled student's modeling code needs transformers>=5.24 (its `cache` API): "
+                      "pip install -U 'transformers>=5.24,<6'")
 
 DENOMINATOR_EPS = 1e-6
 FEATURE_MAPS = ("hedgehog", "elu")

@@ -65,6 +65,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .configuration_distill_llama import HYBRID_LAYER_TYPE, RECURRENT_LAYER_TYPE, DistillLlamaConfig
 
+if "cache" not in BaseModelOutputWithPast.__dataclass_fields__:  # its `past_key_values` before transformers 5.24
+    raise ImportError("this distilled student's modeling code needs transformers>=5.24 (its `cache` API): "
+                      "pip install -U 'transformers>=5.24,<6'")
+
 DENOMINATOR_EPS = 1e-6
 FEATURE_MAPS = ("hedgehog", "elu")
 SEEN_TOKENS = "seen_tokens"
