@@ -35,7 +35,8 @@ def tiny_bert(vocab_size: int, num_layers: int) -> Teacher:
 
 # ---------------------------------------------------------------------- one small teacher per family
 
-DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2")
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2",
+                    "gpt_neox")
 ENCODER_FAMILIES = ("bert", "roberta")
 SEQ_LEN = 12
 """Tests run chunks of this length: longer than every family's sliding window below."""
@@ -46,8 +47,9 @@ def family_config(model_type: str, num_layers: int = 3, vocab_size: int = 96) ->
 
     Mistral and Gemma-2 slide over 4 positions (shorter than ``SEQ_LEN``), Qwen2 mixes
     sliding and full layers, Gemma scales embeddings, Gemma-2 soft-caps logits and
-    attention, Granite's multipliers are far from 1, Phi-3 fuses its projections, OLMo-2
-    and Qwen3 norm queries and keys.
+    attention, Gemma-3 keeps a rotary base per layer type, Granite's multipliers are far
+    from 1, Phi-3 fuses its projections, OLMo-2 and Qwen3 norm queries and keys, GPT-NeoX
+    runs attention and MLP in parallel with rotary on half of each head.
     """
     small = {**_small(vocab_size, num_layers), "max_position_embeddings": 64}
     decoder = {**small, "num_key_value_heads": 2, "tie_word_embeddings": False, "bos_token_id": 1,
@@ -72,6 +74,9 @@ def family_config(model_type: str, num_layers: int = 3, vocab_size: int = 96) ->
         "phi3": lambda: transformers.Phi3Config(**decoder, resid_pdrop=0.0,
                                                  embd_pdrop=0.0, attention_dropout=0.0),
         "olmo2": lambda: transformers.Olmo2Config(**decoder),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(
+            **{k: v for k, v in decoder.items() if k != "num_key_value_heads"}, rotary_pct=0.5,
+            use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0),
         "bert": lambda: transformers.BertConfig(**small, hidden_dropout_prob=0.0,
                                                 attention_probs_dropout_prob=0.0),
         "roberta": lambda: transformers.RobertaConfig(**small, pad_token_id=1, hidden_dropout_prob=0.0,

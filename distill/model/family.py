@@ -43,6 +43,8 @@ class Family:
     """Where the layer list sits in the base model ("layers", "encoder.layer")."""
     final_norm: str | None = "norm"
     """The base model's norm after the last layer; None where layers end in their own norm."""
+    embed_name: str = "embed_tokens"
+    """The base model's token embedding (the student always calls its own ``embed_tokens``)."""
     embedding_scale: str | None = None
     """How embeddings are scaled: None, "sqrt_hidden" (Gemma, in the weights' dtype) or a config key (Granite's ``embedding_multiplier``)."""
     logits_divisor_key: str | None = None
@@ -85,6 +87,13 @@ FAMILIES: dict[str, Family] = {
             refused_kinds=_linear_refused("residual_multiplier and attention_multiplier"),
         ),
         Family(
+            "gpt_neox", **_DECODER, final_norm="final_layer_norm", embed_name="embed_in",
+            refused_kinds={
+                **_linear_refused("parallel residual attention and MLP and a fused query_key_value"),
+                "pruned": "fused query_key_value and an MLP of dense_h_to_4h / dense_4h_to_h",
+            },
+        ),
+        Family(
             "phi3", **_DECODER,
             refused_kinds={
                 **_linear_refused("fused qkv_proj"),
@@ -108,7 +117,6 @@ through the Auto classes equals the teacher."""
 
 NOT_SUPPORTED: dict[str, str] = {
     "gpt2": "learned absolute positions and Conv1D projections",
-    "gpt_neox": "parallel residual attention+MLP and partial rotary (rotary_pct)",
     "gptj": "parallel residual attention+MLP",
     "falcon": "parallel residual attention+MLP and fused projections",
     "phi": "parallel residual attention+MLP and partial rotary",

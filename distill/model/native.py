@@ -50,6 +50,9 @@ NATIVE_CLASSES: dict[str, type[transformers.PreTrainedModel]] = {
 }
 """``config.json``'s architecture -> distill's copy of that class (what ``load_student`` uses)."""
 
+TEACHER_CLASS_PREFIXES = ("transformers.models.", "torch.nn.modules.")
+"""Where the teacher classes a student reuses may come from (GPT-NeoX's final norm is torch's LayerNorm)."""
+
 _DROPPED_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "layer_types",
                  "_name_or_path", "per_layer_config")
 """Teacher config keys that describe the teacher's own class, not the student."""
@@ -83,13 +86,19 @@ def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for
     else:
         layer_types = get_layer_types_and_kwargs(teacher_config)[0]
         config = DistillLlamaConfig(
-            **common, teacher_layer_types=layer_types,
+            **common, teacher_layer_types=layer_types, teacher_norm_eps=_norm_eps(teacher),
             distill_embedding=families.embedding_scale(teacher.adapter, teacher_config),
             distill_logits=families.logits_transform(teacher.adapter, teacher_config),
             teacher_attn_implementation=teacher_config._attn_implementation, **keys,
         )
     config._attn_implementation = teacher_config._attn_implementation
     return config
+
+
+def _norm_eps(teacher: Teacher) -> float:
+    """The epsilon of the teacher's final norm, whatever its config calls it (rms_norm_eps, layer_norm_eps)."""
+    norm = teacher.model.base_model.get_submodule(teacher.adapter.final_norm)
+    return float(next(getattr(norm, attr) for attr in ("eps", "variance_epsilon") if hasattr(norm, attr)))
 
 
 def teacher_classes(teacher: Teacher) -> dict[str, str]:
@@ -102,7 +111,7 @@ def teacher_classes(teacher: Teacher) -> dict[str, str]:
                  "rotary": base.rotary_emb}
     paths = {role: f"{type(m).__module__}.{type(m).__qualname__}" for role, m in parts.items() if m is not None}
     layer_classes = {type(layer) for layer in teacher.layers}
-    outside = [path for path in paths.values() if not path.startswith("transformers.models.")]
+    outside = [path for path in paths.values() if not path.startswith(TEACHER_CLASS_PREFIXES)]
     if outside or len(layer_classes) > 1:
         raise ValueError(
             f"Cannot export a student of {type(teacher.model).__name__}: its classes {outside or layer_classes} "
@@ -130,7 +139,8 @@ def native_state(
     """
     prefix = layers_prefix(teacher)
     replaced = tuple(f"{prefix}{idx}." for idx in replacements)
-    state = {k: v for k, v in teacher.model.base_model.state_dict().items() if not k.startswith(replaced)}
+    state = {_student_name(teacher, k): v for k, v in teacher.model.base_model.state_dict().items()
+             if not k.startswith(replaced)}
     for idx, module in replacements.items():
         state.update({f"{prefix}{idx}.{k}": v for k, v in module.state_dict().items()})
     if native_class(teacher) is modeling_distill_llama.DistillLlamaForCausalLM:
@@ -139,6 +149,18 @@ def native_state(
         if include_tied or head is not teacher.model.get_input_embeddings().weight:
             state["lm_head.weight"] = head
     return {k: _in_dtype(v, dtype or teacher.dtype) for k, v in state.items()}
+
+
+def _student_name(teacher: Teacher, name: str) -> str:
+    """A base-model weight's name in the student: the family's embedding and final norm under the
+    student's own names (``embed_tokens``, ``norm``), everything else as the teacher names it."""
+    adapter = teacher.adapter
+    if adapter.modeling != "llama":
+        return name
+    for own, student in ((adapter.embed_name, "embed_tokens"), (adapter.final_norm, "norm")):
+        if name.startswith(f"{own}."):
+            return f"{student}.{name.removeprefix(own + '.')}"
+    return name
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -54,7 +54,7 @@ class _StopForward(Exception):
     """Raised by the hook on the last captured layer so that later layers never run."""
 
 
-_PROBE_DROPPED = ("hidden_states", "past_key_values", "cache", "use_cache", "output_attentions")
+_PROBE_DROPPED = ("hidden_states", "past_key_values", "cache", "layer_past", "use_cache", "output_attentions")
 """Layer keyword arguments a probe does not keep: the hidden state itself and cache switches."""
 
 

@@ -22,6 +22,8 @@ key at the top level as in the teacher's own ``config.json``) plus what makes it
                          the lookup; Granite: ``embedding_multiplier`` on whatever enters layer 0)
     distill_logits       what the teacher does to the LM head's output: ``{"divisor", "softcap"}``
                          (Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``)
+    teacher_norm_eps     the epsilon of the teacher's final norm (``rms_norm_eps`` or ``layer_norm_eps``
+                         in the teacher's own config)
     teacher_attn_implementation
                          the teacher's attention implementation; the student loads with it unless
                          the caller chooses another (Gemma-2's soft-capped attention needs "eager")
@@ -83,6 +85,7 @@ class DistillLlamaConfig(PreTrainedConfig):
         distill_embedding: dict[str, Any] | None = None,
         distill_logits: dict[str, Any] | None = None,
         teacher_attn_implementation: str | None = None,
+        teacher_norm_eps: float | None = None,
         use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -91,6 +94,7 @@ class DistillLlamaConfig(PreTrainedConfig):
         self.distill_embedding = dict(distill_embedding) if distill_embedding else None
         self.distill_logits = dict(distill_logits or {"divisor": None, "softcap": None})
         self.teacher_attn_implementation = teacher_attn_implementation
+        self.teacher_norm_eps = teacher_norm_eps
         if teacher_attn_implementation and kwargs.get("attn_implementation") is None:
             kwargs["attn_implementation"] = teacher_attn_implementation
         self.teacher_classes = dict(teacher_classes or {})
@@ -166,10 +170,10 @@ def _check(config: DistillLlamaConfig) -> None:
                 "re-export the student."
             )
     for role, path in config.teacher_classes.items():
-        if not str(path).startswith("transformers.models."):
+        if not str(path).startswith(("transformers.models.", "torch.nn.modules.")):
             raise ValueError(
                 f"distill_llama config: teacher_classes[{role!r}]={path!r} must name a class inside "
-                "transformers.models; this config was not written by distill."
+                "transformers.models (or torch.nn); this config was not written by distill."
             )
 
 

@@ -802,7 +802,7 @@ def teacher_class(config: DistillBertConfig, role: str) -> type[nn.Module]:
     """The teacher's class for ``role`` ("layer", "norm", "rotary"), from transformers.models only."""
     path = config.teacher_classes[role]
     module_name, _, class_name = path.rpartition(".")
-    if not module_name.startswith("transformers.models."):
+    if not module_name.startswith(("transformers.models.", "torch.nn.modules.")):
         raise ValueError(f"teacher_classes[{role!r}]={path!r} is not a transformers class")
     return getattr(importlib.import_module(module_name), class_name)
 

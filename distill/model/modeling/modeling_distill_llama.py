@@ -891,14 +891,30 @@ def layer_config(config: DistillLlamaConfig, overrides: dict[str, Any]) -> Disti
     return out
 
 
+def attention_of(layer: nn.Module) -> nn.Module:
+    """The attention module of a teacher layer (``self_attn``; GPT-NeoX's is ``attention``)."""
+    attention = getattr(layer, "self_attn", None)
+    return attention if attention is not None else layer.attention
+
+
+def cache_argument(layer: nn.Module) -> str:
+    """The name a teacher layer takes its cache by: ``cache``, or GPT-NeoX's ``layer_past``."""
+    names = _arguments(type(layer).forward)
+    return next((name for name in ("cache", "layer_past", "past_key_values") if name in names), "cache")
+
+
+def _arguments(function: Any) -> tuple[str, ...]:
+    while hasattr(function, "__wrapped__"):  # under torch.no_grad, rope-update and kwarg decorators
+        function = function.__wrapped__
+    code = function.__code__
+    return code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+
+
 def rotary_of_type(rotary_emb: nn.Module, hidden_BTD: torch.Tensor, position_ids: torch.Tensor,
                    layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) for layers of ``layer_type``: Gemma-3's rotary embedding keeps one base per
     layer type and takes the type; the others have one for all layers."""
-    forward = type(rotary_emb).forward
-    while hasattr(forward, "__wrapped__"):  # under torch.no_grad and rope-update decorators
-        forward = forward.__wrapped__
-    if "layer_type" in forward.__code__.co_varnames[: forward.__code__.co_argcount]:
+    if "layer_type" in _arguments(type(rotary_emb).forward):
         return rotary_emb(hidden_BTD, position_ids, layer_type)
     return rotary_emb(hidden_BTD, position_ids)
 
@@ -917,7 +933,8 @@ def run_teacher_layer(
     The mask of its attention type is built from the 2D padding mask and the layer's own
     cache layer, exactly as the teacher's forward builds it; keys and values go to the cache.
     """
-    config, layer_idx = layer.self_attn.config, layer.self_attn.layer_idx
+    attention = attention_of(layer)
+    config, layer_idx = attention.config, attention.layer_idx
     position_ids = default_positions(position_ids, past_length(cache, layer_idx), hidden_BTD.shape[1], hidden_BTD.device)
     mask_fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
     mask = mask_fn(
@@ -933,8 +950,8 @@ def run_teacher_layer(
         attention_mask=mask,
         position_embeddings=rotary_of_type(rotary_emb, hidden_BTD, position_ids, layer_type),
         position_ids=position_ids,
-        cache=cache,
         use_cache=cache is not None,
+        **{cache_argument(layer): cache},
     )
     return output[0] if isinstance(output, tuple) else output
 
@@ -1035,7 +1052,7 @@ def teacher_class(config: DistillLlamaConfig, role: str) -> type[nn.Module]:
     """The teacher's class for ``role`` ("layer", "norm", "rotary"), from transformers.models only."""
     path = config.teacher_classes[role]
     module_name, _, class_name = path.rpartition(".")
-    if not module_name.startswith("transformers.models."):
+    if not module_name.startswith(("transformers.models.", "torch.nn.modules.")):
         raise ValueError(f"teacher_classes[{role!r}]={path!r} is not a transformers class")
     return getattr(importlib.import_module(module_name), class_name)
 
@@ -1090,7 +1107,8 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
         self.padding_idx = getattr(config, "pad_token_id", None)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([_build_layer(config, idx) for idx in range(config.num_hidden_layers)])
-        self.norm = teacher_class(config, "norm")(config.hidden_size, eps=config.rms_norm_eps)
+        eps = config.teacher_norm_eps if config.teacher_norm_eps is not None else config.rms_norm_eps
+        self.norm = teacher_class(config, "norm")(config.hidden_size, eps=eps)
         self.rotary_emb = teacher_class(config, "rotary")(config=teacher_view(config))
         self.post_init()
 
@@ -1139,8 +1157,8 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
                 attention_mask=masks[self.config.teacher_layer_types[idx]],
                 position_embeddings=position_embeddings[self.config.teacher_layer_types[idx]],
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=use_cache,
+                **{cache_argument(layer): cache},
                 **kwargs,
             )
             hidden_BTD = hidden_BTD[0] if isinstance(hidden_BTD, tuple) else hidden_BTD

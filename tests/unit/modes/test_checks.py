@@ -111,7 +111,8 @@ def _teacher_dir(tmp_path: Path, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "message"), [
-    ("gpt_neox", [], "model_type='gpt_neox'.*parallel residual"),
+    ("gpt2", [], "model_type='gpt2'.*learned absolute positions"),
+    ("gpt_neox", [], "replacement=linear_attention cannot reproduce the gpt_neox.*parallel residual"),
     ("modernbert", ["replacement=mlp"], "model_type='modernbert'"),
     ("some_new_family", [], "no adapter"),
     ("olmo2", ["replacement=linear_attention"], "replacement=linear_attention cannot reproduce the olmo2.*post|norms"),
