@@ -36,7 +36,7 @@ def tiny_bert(vocab_size: int, num_layers: int) -> Teacher:
 # ---------------------------------------------------------------------- one small teacher per family
 
 DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2",
-                    "gpt_neox")
+                    "gpt_neox", "gpt2")
 ENCODER_FAMILIES = ("bert", "roberta")
 SEQ_LEN = 12
 """Tests run chunks of this length: longer than every family's sliding window below."""
@@ -77,6 +77,10 @@ def family_config(model_type: str, num_layers: int = 3, vocab_size: int = 96) ->
         "gpt_neox": lambda: transformers.GPTNeoXConfig(
             **{k: v for k, v in decoder.items() if k != "num_key_value_heads"}, rotary_pct=0.5,
             use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0),
+        "gpt2": lambda: transformers.GPT2Config(
+            vocab_size=vocab_size, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64, initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=True),
         "bert": lambda: transformers.BertConfig(**small, hidden_dropout_prob=0.0,
                                                 attention_probs_dropout_prob=0.0),
         "roberta": lambda: transformers.RobertaConfig(**small, pad_token_id=1, hidden_dropout_prob=0.0,

@@ -45,6 +45,10 @@ class Family:
     """The base model's norm after the last layer; None where layers end in their own norm."""
     embed_name: str = "embed_tokens"
     """The base model's token embedding (the student always calls its own ``embed_tokens``)."""
+    rotary: bool = True
+    """Whether the base model keeps a ``rotary_emb`` its layers take ``position_embeddings`` from."""
+    learned_positions: str | None = None
+    """The base model's learned absolute position embedding, added to the token embeddings (GPT-2's ``wpe``)."""
     embedding_scale: str | None = None
     """How embeddings are scaled: None, "sqrt_hidden" (Gemma, in the weights' dtype) or a config key (Granite's ``embedding_multiplier``)."""
     logits_divisor_key: str | None = None
@@ -94,6 +98,15 @@ FAMILIES: dict[str, Family] = {
             },
         ),
         Family(
+            "gpt2", modeling="llama", layers_path="h", final_norm="ln_f", embed_name="wte", rotary=False,
+            learned_positions="wpe",
+            refused_kinds={
+                **_linear_refused("learned absolute positions (no rotary) and Conv1D projections"),
+                "pruned": "Conv1D projections and a fused c_attn",
+                "lowrank": "Conv1D projections (lowrank factorises nn.Linear maps)",
+            },
+        ),
+        Family(
             "phi3", **_DECODER,
             refused_kinds={
                 **_linear_refused("fused qkv_proj"),
@@ -116,7 +129,6 @@ a teacher run layer by layer equals HF's own forward, and a copy student exporte
 through the Auto classes equals the teacher."""
 
 NOT_SUPPORTED: dict[str, str] = {
-    "gpt2": "learned absolute positions and Conv1D projections",
     "gptj": "parallel residual attention+MLP",
     "falcon": "parallel residual attention+MLP and fused projections",
     "phi": "parallel residual attention+MLP and partial rotary",

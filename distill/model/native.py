@@ -77,6 +77,8 @@ def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for
     """
     teacher_config = teacher.model.config
     keys = {k: v for k, v in teacher_config.to_dict().items() if k not in _DROPPED_KEYS}
+    # GPT-2 names hidden_size n_embd: the student has no attribute map, so it gets both names
+    keys.update({k: getattr(teacher_config, k) for k in getattr(teacher_config, "attribute_map", {})})
     keys["dtype"] = str(dtype or teacher.dtype).removeprefix("torch.")
     classes = teacher_classes(teacher) if for_export else {}
     common = {"teacher_model_type": teacher_config.model_type, "teacher_classes": classes,
@@ -89,10 +91,18 @@ def student_config(teacher: Teacher, layer_specs: dict[int, dict[str, Any]], for
             **common, teacher_layer_types=layer_types, teacher_norm_eps=_norm_eps(teacher),
             distill_embedding=families.embedding_scale(teacher.adapter, teacher_config),
             distill_logits=families.logits_transform(teacher.adapter, teacher_config),
-            teacher_attn_implementation=teacher_config._attn_implementation, **keys,
+            teacher_attn_implementation=teacher_config._attn_implementation,
+            distill_learned_positions=_learned_positions(teacher), **keys,
         )
     config._attn_implementation = teacher_config._attn_implementation
     return config
+
+
+def _learned_positions(teacher: Teacher) -> int | None:
+    """How many positions the family's learned position embedding holds (GPT-2's ``wpe``), or None."""
+    if teacher.adapter.learned_positions is None:
+        return None
+    return teacher.model.base_model.get_submodule(teacher.adapter.learned_positions).num_embeddings
 
 
 def _norm_eps(teacher: Teacher) -> float:
@@ -108,7 +118,7 @@ def teacher_classes(teacher: Teacher) -> dict[str, str]:
         parts = {"embeddings": base.embeddings, "layer": teacher.layers[0], "pooler": getattr(base, "pooler", None)}
     else:
         parts = {"layer": teacher.layers[0], "norm": base.get_submodule(teacher.adapter.final_norm),
-                 "rotary": base.rotary_emb}
+                 "rotary": base.rotary_emb if teacher.adapter.rotary else None}
     paths = {role: f"{type(m).__module__}.{type(m).__qualname__}" for role, m in parts.items() if m is not None}
     layer_classes = {type(layer) for layer in teacher.layers}
     outside = [path for path in paths.values() if not path.startswith(TEACHER_CLASS_PREFIXES)]
@@ -138,7 +148,7 @@ def native_state(
     (``save_file`` refuses shared tensors; ``from_pretrained`` ties it back).
     """
     prefix = layers_prefix(teacher)
-    replaced = tuple(f"{prefix}{idx}." for idx in replacements)
+    replaced = tuple(f"{teacher.adapter.layers_path}.{idx}." for idx in replacements)
     state = {_student_name(teacher, k): v for k, v in teacher.model.base_model.state_dict().items()
              if not k.startswith(replaced)}
     for idx, module in replacements.items():
@@ -152,12 +162,16 @@ def native_state(
 
 
 def _student_name(teacher: Teacher, name: str) -> str:
-    """A base-model weight's name in the student: the family's embedding and final norm under the
-    student's own names (``embed_tokens``, ``norm``), everything else as the teacher names it."""
+    """A base-model weight's name in the student: the family's layer list, embeddings and final norm
+    under the student's own names (``layers``, ``embed_tokens``, ``embed_positions``, ``norm``),
+    everything else as the teacher names it."""
     adapter = teacher.adapter
     if adapter.modeling != "llama":
         return name
-    for own, student in ((adapter.embed_name, "embed_tokens"), (adapter.final_norm, "norm")):
+    for own, student in ((adapter.layers_path, "layers"), (adapter.embed_name, "embed_tokens"),
+                         (adapter.final_norm, "norm"), (adapter.learned_positions, "embed_positions")):
+        if own is None:
+            continue
         if name.startswith(f"{own}."):
             return f"{student}.{name.removeprefix(own + '.')}"
     return name

@@ -151,7 +151,7 @@ def copy_teacher_layer(teacher: Teacher, layer_idx: int) -> nn.Module:
 
 def teacher_rotary(teacher: Teacher) -> nn.Module | None:
     """The teacher model's rotary embedding module (decoders keep one per model), or None (BERT)."""
-    if teacher.family == "bert":
+    if teacher.family == "bert" or not teacher.adapter.rotary:
         return None
     rotary = getattr(teacher.model.base_model, "rotary_emb", None)
     if rotary is None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distill.model import family as families
 from distill.model.modeling.modeling_distill_llama import LowRankLinear as _LowRankLinear
 from distill.replacements import (
     TeacherHandle,
@@ -86,6 +87,7 @@ class LowRankLayer(nn.Module):
         modules: list[str] | None = None,
     ) -> None:
         super().__init__()
+        families.check_kind(teacher.adapter, "lowrank")
         rank_fraction = _check_rank_options(rank, rank_fraction)
         self.layer_idx = layer_idx
         self.layer = copy_teacher_layer(teacher, layer_idx)

@@ -22,6 +22,9 @@ key at the top level as in the teacher's own ``config.json``) plus what makes it
                          the lookup; Granite: ``embedding_multiplier`` on whatever enters layer 0)
     distill_logits       what the teacher does to the LM head's output: ``{"divisor", "softcap"}``
                          (Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``)
+    distill_learned_positions
+                         the size of the teacher's learned position embedding (GPT-2's ``wpe``, added
+                         to the token embeddings; such teachers have no rotary embedding), or null
     teacher_norm_eps     the epsilon of the teacher's final norm (``rms_norm_eps`` or ``layer_norm_eps``
                          in the teacher's own config)
     teacher_attn_implementation
@@ -86,6 +89,7 @@ class DistillLlamaConfig(PreTrainedConfig):
         distill_logits: dict[str, Any] | None = None,
         teacher_attn_implementation: str | None = None,
         teacher_norm_eps: float | None = None,
+        distill_learned_positions: int | None = None,
         use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -95,6 +99,7 @@ class DistillLlamaConfig(PreTrainedConfig):
         self.distill_logits = dict(distill_logits or {"divisor": None, "softcap": None})
         self.teacher_attn_implementation = teacher_attn_implementation
         self.teacher_norm_eps = teacher_norm_eps
+        self.distill_learned_positions = distill_learned_positions
         if teacher_attn_implementation and kwargs.get("attn_implementation") is None:
             kwargs["attn_implementation"] = teacher_attn_implementation
         self.teacher_classes = dict(teacher_classes or {})

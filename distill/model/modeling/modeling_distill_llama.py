@@ -892,9 +892,12 @@ def layer_config(config: DistillLlamaConfig, overrides: dict[str, Any]) -> Disti
 
 
 def attention_of(layer: nn.Module) -> nn.Module:
-    """The attention module of a teacher layer (``self_attn``; GPT-NeoX's is ``attention``)."""
-    attention = getattr(layer, "self_attn", None)
-    return attention if attention is not None else layer.attention
+    """The attention module of a teacher layer (``self_attn``; GPT-NeoX's is ``attention``, GPT-2's ``attn``)."""
+    for name in ("self_attn", "attention", "attn"):
+        attention = getattr(layer, name, None)
+        if attention is not None:
+            return attention
+    raise AttributeError(f"{type(layer).__name__} has no self_attn, attention or attn")
 
 
 def cache_argument(layer: nn.Module) -> str:
@@ -910,10 +913,12 @@ def _arguments(function: Any) -> tuple[str, ...]:
     return code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
 
 
-def rotary_of_type(rotary_emb: nn.Module, hidden_BTD: torch.Tensor, position_ids: torch.Tensor,
-                   layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_of_type(rotary_emb: nn.Module | None, hidden_BTD: torch.Tensor, position_ids: torch.Tensor,
+                   layer_type: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(cos, sin) for layers of ``layer_type``: Gemma-3's rotary embedding keeps one base per
-    layer type and takes the type; the others have one for all layers."""
+    layer type and takes the type; the others have one for all layers; GPT-2 has none (None)."""
+    if rotary_emb is None:
+        return None
     if "layer_type" in _arguments(type(rotary_emb).forward):
         return rotary_emb(hidden_BTD, position_ids, layer_type)
     return rotary_emb(hidden_BTD, position_ids)
@@ -945,10 +950,11 @@ def run_teacher_layer(
         position_ids=position_ids,
         layer_idx=layer_idx if cache is not None else None,
     )
+    rotary = rotary_of_type(rotary_emb, hidden_BTD, position_ids, layer_type)
     output = layer(
         hidden_BTD,
         attention_mask=mask,
-        position_embeddings=rotary_of_type(rotary_emb, hidden_BTD, position_ids, layer_type),
+        **({} if rotary is None else {"position_embeddings": rotary}),
         position_ids=position_ids,
         use_cache=cache is not None,
         **{cache_argument(layer): cache},
@@ -969,7 +975,8 @@ class DistillLlamaTeacherLayer(nn.Module):
         own_config = layer_config(config, spec.get("config_overrides") or {})
         self.layer = teacher_class(config, "layer")(own_config, layer_idx)
         factorise(self.layer, spec.get("ranks") or {})
-        self.rotary_emb = teacher_class(config, "rotary")(config=teacher_view(config))
+        self.rotary_emb = (teacher_class(config, "rotary")(config=teacher_view(config))
+                           if "rotary" in config.teacher_classes else None)
         self.layer_type = config.teacher_layer_types[layer_idx]
 
     def forward(
@@ -1109,7 +1116,10 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
         self.layers = nn.ModuleList([_build_layer(config, idx) for idx in range(config.num_hidden_layers)])
         eps = config.teacher_norm_eps if config.teacher_norm_eps is not None else config.rms_norm_eps
         self.norm = teacher_class(config, "norm")(config.hidden_size, eps=eps)
-        self.rotary_emb = teacher_class(config, "rotary")(config=teacher_view(config))
+        self.rotary_emb = (teacher_class(config, "rotary")(config=teacher_view(config))
+                           if "rotary" in config.teacher_classes else None)
+        self.embed_positions = (nn.Embedding(config.distill_learned_positions, config.hidden_size)
+                                if config.distill_learned_positions else None)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -1142,6 +1152,8 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
         if position_ids is None:
             past = past_length(cache, 0)
             position_ids = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        if self.embed_positions is not None:
+            inputs_embeds = inputs_embeds + self.embed_positions(position_ids)
         masks = self._teacher_masks(inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = {layer_type: rotary_of_type(self.rotary_emb, inputs_embeds, position_ids, layer_type)
                                for layer_type in set(self.config.teacher_layer_types)}
@@ -1152,10 +1164,11 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             if str(idx) in self.config.distill_layers:
                 hidden_BTD = layer(hidden_BTD, attention_mask, position_ids, cache)
                 continue
+            rotary = position_embeddings[self.config.teacher_layer_types[idx]]
             hidden_BTD = layer(
                 hidden_BTD,
                 attention_mask=masks[self.config.teacher_layer_types[idx]],
-                position_embeddings=position_embeddings[self.config.teacher_layer_types[idx]],
+                **({} if rotary is None else {"position_embeddings": rotary}),
                 position_ids=position_ids,
                 use_cache=use_cache,
                 **{cache_argument(layer): cache},

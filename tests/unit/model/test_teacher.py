@@ -17,8 +17,8 @@ import torch
 from transformers import (
     BertConfig,
     BertModel,
-    GPT2Config,
-    GPT2LMHeadModel,
+    GPTJConfig,
+    GPTJForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -94,8 +94,8 @@ def test_family_and_freezing(kind: str, family: str, causal: bool) -> None:
 
 
 def test_unsupported_architecture_is_rejected() -> None:
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4))
-    with pytest.raises(ValueError, match=r"`teacher\.name_or_path`"):
+    model = GPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4))
+    with pytest.raises(ValueError, match=r"model_type='gptj'.*parallel residual.*`teacher\.name_or_path`"):
         Teacher(model)
 
 

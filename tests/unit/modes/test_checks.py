@@ -111,7 +111,8 @@ def _teacher_dir(tmp_path: Path, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "message"), [
-    ("gpt2", [], "model_type='gpt2'.*learned absolute positions"),
+    ("gptj", [], "model_type='gptj'.*parallel residual"),
+    ("gpt2", ["replacement=lowrank"], "replacement=lowrank cannot reproduce the gpt2.*Conv1D"),
     ("gpt_neox", [], "replacement=linear_attention cannot reproduce the gpt_neox.*parallel residual"),
     ("modernbert", ["replacement=mlp"], "model_type='modernbert'"),
     ("some_new_family", [], "no adapter"),
