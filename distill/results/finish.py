@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -66,7 +67,8 @@ def finish_run(ctx: StudentContext) -> None:
             result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
             if final is not replacements:  # the exported student had an end-to-end stage
                 summary["student_after_layer_stages"] = result.student
-                result = _rescored_after_e2e(ctx, result, base, final)
+                if not same_student(teacher, replacements, base, final):  # else it kept its step-0 weights
+                    result = _rescored_after_e2e(ctx, result, base, final)
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
     decode = None
     if cfg.evaluate and metric_kind(teacher) == "lm":
@@ -99,6 +101,20 @@ def decode_figures(teacher_model, student_model, context: int = DECODE_CONTEXT) 
     return {"teacher": teacher_speed.to_dict(), "student": student_speed.to_dict(), "steps": DECODE_STEPS,
             "speedup": teacher_speed.ms_per_token / student_speed.ms_per_token,
             "cache_ratio": teacher_speed.cache_bytes / max(student_speed.cache_bytes, 1)}
+
+
+def same_student(teacher: Teacher, replacements: dict[int, nn.Module], base: Teacher,
+                 final: dict[int, nn.Module]) -> bool:
+    """Whether the end-to-end stage's student is the layer stages' one, weight for weight (it
+    rolled back to its step-0 weights): then scoring it again would spend minutes on a real
+    teacher to print the same figures."""
+    if base is not teacher or set(final) != set(replacements):
+        return False
+    for idx, module in replacements.items():
+        mine, theirs = module.state_dict(), final[idx].state_dict()
+        if mine.keys() != theirs.keys() or not all(torch.equal(mine[k], theirs[k]) for k in mine):
+            return False
+    return True
 
 
 def _rescored_after_e2e(ctx: StudentContext, layer_stages: EvalResult, base: Teacher,
