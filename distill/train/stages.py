@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from distill.config import Family, Inputs
-from distill.model.location import has_lm_head
+from distill.model.location import has_lm_head, teacher_model
 from distill.pipeline import BatchConfig, TensorSpec
 
 
@@ -116,9 +116,10 @@ def closed_loop(student_cfg: Any) -> bool:
 
 def teacher_is_lm(cfg: DictConfig) -> bool:
     """Whether the configured teacher predicts tokens (has an LM head), from its config alone."""
-    if not cfg.teacher.name_or_path:
+    model = teacher_model(cfg)
+    if model is None:
         return cfg.teacher.tiny.family == Family.llama
-    return has_lm_head(str(cfg.teacher.name_or_path))
+    return has_lm_head(model)
 
 
 def e2e_top_k(cfg: DictConfig) -> int:

@@ -27,6 +27,10 @@ LAZY_IMPORTS = {
     ("distill.model.tiny_cache", "distill.model.tiny"): "pre-training needs transformers; a cache hit, "
                                                         "what mode=local's supervisor meets, does not",
     ("distill.model.harness", "lm_eval"): "an optional extra (.[eval]) that only mode=eval needs",
+    ("distill.model.gguf_cache", "transformers"): "only a GGUF teacher's config needs it; the start-up "
+                                                  "checks run in every mode, the broker included",
+    ("distill.model.gguf_cache", "distill.model.gguf_convert"): "converting needs torch and transformers; a "
+                                                                "cache hit does not",
 }
 """(module, imported module) -> why it is imported inside a function."""
 
