@@ -99,11 +99,16 @@ def test_every_replacement_option_in_conf_has_a_kind() -> None:
 # ---------------------------------------------------------------------- the teacher runner
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", DECODER_FAMILIES + ENCODER_FAMILIES)
-def test_the_teacher_run_layer_by_layer_equals_hfs_own_forward(name: str) -> None:
-    model = family_model(name)
-    teacher = Teacher(model)
-    ids_BT = _ids(3, seed=2)
+def test_the_teacher_run_layer_by_layer_equals_hfs_own_forward(name: str, device: str) -> None:
+    model = family_model(name).to(device)
+    teacher = Teacher(model, device=device)
+    ids_BT = _ids(3, seed=2).to(device)
     with torch.no_grad():
         hidden_BTD = teacher.embed(ids_BT)
         for layer in teacher.layers:
