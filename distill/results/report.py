@@ -284,9 +284,12 @@ def _layer_intro(result: EvalResult | None) -> str:
     metric = _METRIC_NAMES.get(result.kind, result.kind)
     after_e2e = (" by its end-to-end-trained replacement (by the layer stage's in the last column)"
                  if result.per_layer_layer_stages else "")
+    tokens = (f" on the first {result.per_layer_tokens:,} of the {result.num_tokens:,} held-out tokens (splicing "
+              "each layer alone re-runs the layers after it; the figures are bounded to cost no more than "
+              "the whole student's)" if result.per_layer_tokens else "")
     return (
         f"Spliced-alone metric: held-out {metric} of the teacher with only that layer "
-        f"replaced{after_e2e} (teacher: {_fmt(result.teacher)}). Validation losses: against the "
+        f"replaced{after_e2e}{tokens} (teacher: {_fmt(result.teacher)}). Validation losses: against the "
         f"teacher's output of the layer, fed the teacher's input or the student's own. {ratios}"
     )
 

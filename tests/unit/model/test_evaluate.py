@@ -18,11 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from distill.model.assemble import splice
-from distill.model.evaluate import EvalResult, evaluate, perplexity, spliced_alone_kl
+from distill.model.evaluate import (
+    EvalResult,
+    evaluate,
+    per_layer_batches,
+    perplexity,
+    spliced_alone_kl,
+)
 from distill.model.teacher import Teacher
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.teacher_copy import TeacherCopy
-from tests.tiny_teachers import tiny_bert, tiny_llama
+from tests.tiny_teachers import family_model, tiny_bert, tiny_llama
 
 N, T, VOCAB, NUM_LAYERS = 6, 12, 64, 3
 
@@ -161,3 +167,25 @@ def test_bf16_teacher_scores_float32_replacements(kind: str, sampled_NT: torch.T
     assert math.isfinite(result.student) and set(result.per_layer) == {0, 2}
     if kind == "copy":
         assert result.student == pytest.approx(result.teacher, rel=0.02)
+
+
+def test_a_deep_students_spliced_alone_scores_are_bounded_to_the_cost_of_the_rest() -> None:
+    """Splicing each of 30 layers alone costs ~15x the teacher and student passes: scored on as many
+    batches as cost that much, never fewer than one; a shallow student scores them on every batch."""
+    assert per_layer_batches(10, 4, [0, 1, 2, 3]) == 10
+    assert per_layer_batches(100, 30, list(range(30))) == 20  # (30 + 60) / 465 of 100, rounded up
+    assert per_layer_batches(3, 80, list(range(80))) == 1
+    assert per_layer_batches(7, 30, []) == 7
+
+
+def test_spliced_alone_scores_on_fewer_tokens_are_those_of_the_first_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    teacher = Teacher(family_model("llama", num_layers=8))
+    replacements = {idx: ResidualMLP(teacher, idx, hidden_mult=1.0) for idx in range(8)}
+    heldout_NT = torch.randint(3, 90, (8, 12), generator=torch.Generator().manual_seed(3))
+    result = evaluate(teacher, replacements, heldout_NT, batch_size=2)
+    alone_batches = per_layer_batches(4, 8, list(range(8)))
+    assert alone_batches < 4 and result.per_layer_tokens == alone_batches * 2 * 11
+    monkeypatch.setattr("distill.model.evaluate.per_layer_batches", lambda num_batches, *_: num_batches)
+    first = evaluate(teacher, replacements, heldout_NT[: 2 * alone_batches], batch_size=2)  # all of them
+    assert result.per_layer == pytest.approx(first.per_layer, rel=1e-6)
+    assert EvalResult.from_dict(result.to_dict()) == result
