@@ -13,6 +13,7 @@ from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext
 from distill.train.e2e import run_e2e_stage
 from distill.train.hybrid import run_hybrid
+from distill.train.progress import RunProgress
 from distill.train.stages import hybrid_on
 from distill.train.trainer import StageTrainer, train_stage
 
@@ -25,10 +26,17 @@ def train_all(ctx: StudentContext) -> None:
     finished = set(ckpt.read_progress(ctx.checkpoint_dir)["finished"]) if ctx.cfg.resume else set()
     if hybrid_on(ctx.cfg.student):
         ctx.stages = run_hybrid(ctx, finished)
+    todo = [stage for stage in ctx.stages if stage.index not in finished]
+    steps = ctx.cfg.student.steps_per_stage
+    e2e_steps = ctx.cfg.student.e2e.steps if ctx.cfg.student.e2e.steps > 0 else 0
+    progress = RunProgress(layer_steps=steps * len(todo), num_stages=len(todo), e2e_steps=e2e_steps)
     for stage in ctx.stages:
         if stage.index in finished:
             log.info("stage %d (layers %s) already trained: skipping", stage.index, list(stage.layers))
             continue
         train_stage(StageTrainer(ctx, stage))
+        line = progress.stage_done(steps)
+        if ctx.leader:
+            log.info("%s", line)
     if ctx.cfg.student.e2e.steps > 0:
         run_e2e_stage(ctx, finished)
