@@ -23,6 +23,7 @@ MODES: dict[str, tuple[str, str]] = {
     "stats": ("distill.modes.stats", "run_stats"),
     "keys": ("distill.modes.keys", "run_keys"),
     "eval": ("distill.modes.eval", "run_eval"),
+    "plan": ("distill.modes.plan", "run_plan"),
 }
 """mode -> (module, entry point); a test keeps it equal to the files of ``conf/mode/``."""
 

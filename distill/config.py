@@ -37,6 +37,7 @@ class Mode(StrEnum):
     stats = "stats"
     keys = "keys"
     eval = "eval"
+    plan = "plan"
 
 
 class Dtype(StrEnum):
