@@ -12,7 +12,8 @@ made of on this machine, and projects the configured stages from them:
 - a stage's step takes the longer of the student's step and the teachers' share of it (the
   pipeline overlaps them: ``local.num_workers`` workers, or ``pipeline.teacher_workers``);
 - the end-to-end stage: a forward and backward of the whole student per step, plus the teachers'
-  full forward; the evaluation: about ``3 L`` layer passes per held-out batch, plus the
+  full forward, a lower bound (its top-k targets, LM head and loss over the vocabulary come on
+  top: on SmolLM2 a real step took several times this); the evaluation: about ``3 L`` layer passes per held-out batch, plus the
   spliced-alone scores bounded to the same (``distill.model.evaluate.per_layer_batches``).
 
 Start-up, checkpoints and validation are left out; the figures are this machine's, with
@@ -131,7 +132,8 @@ def project(cfg: DictConfig, num_layers: int, timings: Timings) -> list[Row]:
                         f"teacher in {teacher_bound} of {len(stages)}" if teacher_bound else "student"))
     if student.e2e.steps > 0:
         full_s = num_layers * timings.teacher_layer_per_sample_s * samples
-        rows.append(Row("end-to-end stage", 1, int(student.e2e.steps), full_s / workers + 3 * full_s, "student"))
+        rows.append(Row("end-to-end stage (at least: forward and backward of the model only)", 1,
+                        int(student.e2e.steps), full_s / workers + 3 * full_s, "student"))
     heldout = min(cfg.data.max_heldout_chunks or 10**9, 10**9)
     batches = max(1, -(-heldout // student.micro_batch_size)) if cfg.evaluate else 0
     if batches and heldout < 10**9:
