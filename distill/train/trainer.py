@@ -285,8 +285,10 @@ class StageTrainer:
         if not self.ctx.leader:
             return
         if supply["wait_fraction"] < STARVED_FRACTION:
-            log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s)",
-                     self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"])
+            log.info("stage %d: students waited %.1f%% of their steps for data (%.0f samples/s), after %.0fs "
+                     "for the teachers' first batch of the stage (not counted: the teachers switch stages)",
+                     self.stage.index, 100 * supply["wait_fraction"], supply["delivered_samples_per_s"],
+                     supply["startup_wait_s"])
             return
         pipeline = self.ctx.cfg.pipeline
         slots = Slots(pipeline.slot_count, self.ctx.world_size * max(1, self.scfg.loader_workers),
