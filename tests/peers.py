@@ -425,3 +425,43 @@ def run_tensor_worker(endpoints: dict[str, str], sample_bytes: int) -> None:
 
     Worker(generator_fn=generate, batch_config=config, backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"]).run()
+
+
+def run_dropped_clients(endpoints: dict[str, str], refused_run: str, welcomed_run: str, results, done) -> None:
+    """Two StudentClients dropped without close(): one whose HELLO the broker refuses, one
+    it welcomes. Then one garbage collection, in a thread of its own bounded at 10 s: puts
+    what the refused HELLO raised and how long the collection took (None: it never ended).
+    Stays alive until ``done`` (the test watches the broker forget the dropped clients)."""
+    import gc
+    import threading
+
+    from distill.pipeline import StudentClient
+
+    setup_logging("ERROR")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+    def drop(run_id: str) -> str:
+        client = StudentClient(0, 2, batch_config(), endpoints["frontend"], endpoints["control"],
+                               endpoints["control_pub"], run_id=run_id, heartbeat_interval_s=0.2,
+                               broker_wait_s=3.0)
+        try:
+            client.hello()
+        except Exception as exc:  # noqa: BLE001 (reported to the test, which judges it)
+            return f"{type(exc).__name__}: {exc}"
+        return "welcomed"
+
+    gc.collect()
+    gc.disable()  # the pools are in reference cycles: only the collection below frees them
+    outcomes = [drop(refused_run), drop(welcomed_run)]
+    took: list[float] = []
+
+    def collect() -> None:
+        started = time.monotonic()
+        gc.collect()
+        took.append(time.monotonic() - started)
+
+    collector = threading.Thread(target=collect, name="collector", daemon=True)
+    collector.start()
+    collector.join(10)
+    results.put({"outcomes": outcomes, "gc_s": took[0] if took else None})
+    done.wait(60)

@@ -12,6 +12,7 @@ from distill.pipeline.broker import Broker, BrokerConfig
 from distill.pipeline.client import SampleRef, StudentClient, StudentConfig
 from distill.pipeline.dataset import DatasetConfig, DistillIterableDataset
 from distill.pipeline.endpoints import default_endpoint
+from distill.pipeline.liveness import BrokerRefusal
 from distill.pipeline.mediums import Medium, MediumBase, SharedMemoryManager, ShmSpaceError
 from distill.pipeline.pool import PoolConfig, SlotPool
 from distill.pipeline.protocol import PROTOCOL_VERSION, Command, ProtocolError
@@ -19,7 +20,8 @@ from distill.pipeline.stats import BrokerStats
 from distill.pipeline.worker import SlotTarget, Worker, WorkerConfig
 
 __all__ = [
-    "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerConfig", "BrokerStats", "Command", "DatasetConfig",
+    "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerConfig", "BrokerRefusal", "BrokerStats", "Command",
+    "DatasetConfig",
     "DistillIterableDataset", "Medium", "MediumBase", "PoolConfig", "ProtocolError", "SampleRef",
     "SharedMemoryManager", "ShmSpaceError", "SlotPool", "SlotTarget", "StudentClient", "StudentConfig",
     "TensorSpec", "Worker", "WorkerConfig", "default_endpoint", "setup_logging",

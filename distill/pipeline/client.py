@@ -35,6 +35,7 @@ from distill.pipeline.liveness import (
     BROKER_WAIT_S,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
+    BrokerRefusal,
 )
 from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
 from distill.pipeline.protocol import Command, ProtocolError
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 CATCH_UP_S = 1.0
 """A follower waiting for a generation asks the broker for it this often (wait_generation)."""
 
-__all__ = ["DEFAULT_RUN", "SampleRef", "SlotPool", "StudentClient", "StudentConfig"]
+__all__ = ["DEFAULT_RUN", "BrokerRefusal", "SampleRef", "SlotPool", "StudentClient", "StudentConfig"]
 
 
 @dataclass
@@ -234,7 +235,7 @@ class StudentClient:
                                                       "min_generation": self._next_generation(),
                                                       **self._leader()})
             if reply.command is not Command.MODEL_SET:
-                raise RuntimeError(f"broker refused SET_MODEL: {reply.body.get('reason')}")
+                raise RuntimeError(f"broker answered SET_MODEL with {reply.command.name}, not MODEL_SET")
             self._note_generation(reply.body["generation"])
             self.model_id = model_id
             self._model_cfg = model_cfg
@@ -302,7 +303,8 @@ class StudentClient:
 
     def _control(self, command: Command, body: dict) -> protocol.Message:
         """Send ``command`` on a connection of its own and wait for the broker's answer, as
-        long as the broker shows signs of life (``liveness.BrokerPatience``)."""
+        long as the broker shows signs of life (``liveness.BrokerPatience``); an ERROR in
+        answer is raised at once as :class:`BrokerRefusal`, with the broker's reason."""
         ctx = zmq.Context.instance()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), self._keys)
         watch = HandshakeWatch(sock) if self._keys is not None else None
@@ -314,7 +316,10 @@ class StudentClient:
                 if watch is not None and (refusal := watch.refusal()) is not None:
                     raise PermissionError(f"{command.name} not delivered: {refusal}")
                 wait.check()
-            return protocol.recv(sock)
+            reply = protocol.recv(sock)
+            if reply.command is Command.ERROR:
+                raise wait.refused(reply.body["reason"])
+            return reply
         finally:
             if watch is not None:
                 watch.close()
@@ -326,10 +331,13 @@ class StudentClient:
             if self.student_rank == 0 and self.model_id is not None:
                 log.warning("restoring model %s (generation %d) on the broker", self.model_id,
                             self.generation)
-                self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
-                                                  "model_cfg": self._model_cfg,
-                                                  "restore_generation": self.generation,
-                                                  **self._leader()})
+                try:
+                    self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
+                                                      "model_cfg": self._model_cfg,
+                                                      "restore_generation": self.generation,
+                                                      **self._leader()})
+                except BrokerRefusal as exc:
+                    log.error("%s", exc)
 
     def _start_keeper(self) -> None:
         """Leader: restore the model on a restarted broker even if this client never asks

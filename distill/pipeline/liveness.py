@@ -7,7 +7,8 @@ intervals means it is gone, a new instance id that it restarted, and a RECONNECT
 answer that it has forgotten us. Either way the owner re-registers.
 
 A student's calls that wait for the broker's answer (HELLO, SET_MODEL, STOP) wait as
-long as the broker shows signs of life, and no longer (:class:`BrokerPatience`).
+long as the broker shows signs of life, and no longer (:class:`BrokerPatience`); an
+ERROR in answer ends the wait at once (:class:`BrokerRefusal`, with the broker's reason).
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ class Heartbeater:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop beating; ``wait=False`` does not wait for the thread (it ends within a beat)."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval_s + 1)
 
     @property
@@ -245,16 +247,27 @@ class BrokerPatience:
         return process_alive(self.token) if self.token is not None else False
 
 
+class BrokerRefusal(RuntimeError):
+    """The broker answered a call (HELLO, SET_MODEL, STOP) with an ERROR: it runs, and
+    refuses; ``reason`` is its own (a limit it names, a leader it prefers)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class BrokerWait:
     """One call's wait for the broker's answer, under a :class:`BrokerPatience`.
 
-    ``what`` says what is missing (``no answer to SET_MODEL from the broker at ...``);
-    ``timeout_s`` bounds this call further (a caller that asks again itself).
+    ``caller`` sent ``command`` to ``endpoint``; ``timeout_s`` bounds this call further (a
+    caller that asks again itself).
     """
 
-    def __init__(self, what: str, heart: Heartbeater, patience: BrokerPatience,
-                 timeout_s: float | None = None) -> None:
-        self.what = what
+    def __init__(self, caller: str, command: Command, endpoint: str, heart: Heartbeater,
+                 patience: BrokerPatience, timeout_s: float | None = None) -> None:
+        self.what = f"{caller}: no answer to {command.name} from the broker at {endpoint}"
+        """What is missing, as the errors say it."""
+        self.refused_what = f"{caller}: the broker at {endpoint} refused {command.name}"
         self.heart = heart
         self.patience = patience
         self.limit_s = patience.max_wait_s if timeout_s is None else min(timeout_s, patience.max_wait_s)
@@ -265,6 +278,10 @@ class BrokerWait:
     def heard(self) -> None:
         """Something came from the broker on the call's own socket."""
         self.last_heard = time.monotonic()
+
+    def refused(self, reason: str) -> BrokerRefusal:
+        """The error to raise for the broker's ERROR in answer: the wait is over."""
+        return BrokerRefusal(f"{self.refused_what}: {reason}", reason)
 
     def check(self) -> None:
         """Raise when the call should stop waiting: ConnectionError when the broker's process

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RUN = "default"
 MEDIUMS = ("shm", "tcp")
+BYE_LINGER_MS = 100
+"""How long closing a pool lets its BYE take to leave."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,10 @@ class SlotPool:
         self.heart = Heartbeater(cfg.frontend_endpoint, self.peer_id, cfg.role,
                                   interval_s=cfg.heartbeat_interval_s, liveness=cfg.heartbeat_liveness,
                                   keys=keys, first_beat_now=True).start()
+        self._disconnect = weakref.finalize(self, _disconnect, self._sock, self._ctx, self.heart)
+        """Closes the socket and its context: from :meth:`close`, or when a pool dropped without
+        it is collected (then in whichever thread collects it: nothing in it may block)."""
+        self._disconnect.atexit = False  # at exit another thread may still be using the socket
         self.patience = BrokerPatience.of(cfg.broker_pid, cfg.broker_silence_s, cfg.broker_wait_s)
         """How long calls to the broker wait for its answer (``liveness.py``)."""
         self.on_rejoin: Callable[[], None] | None = None
@@ -482,27 +489,36 @@ class SlotPool:
     def wait_for_broker(self, command: Command, endpoint: str, timeout_ms: float | None = None) -> BrokerWait:
         """A call's wait for the broker's answer to ``command`` sent to ``endpoint``:
         as long as the broker shows signs of life (``liveness.BrokerPatience``)."""
-        return BrokerWait(f"{self.peer_id}: no answer to {command.name} from the broker at {endpoint}",
-                          self.heart, self.patience, None if timeout_ms is None else timeout_ms / 1000)
+        return BrokerWait(self.peer_id, command, endpoint, self.heart, self.patience,
+                          None if timeout_ms is None else timeout_ms / 1000)
 
     def hello(self, rank: int, timeout_ms: float | None = None) -> dict[str, Any]:
         """Register with the broker; its WELCOME (the run's model and generation). Waits as
-        long as the broker shows signs of life (or ``timeout_ms``, a caller asking again)."""
+        long as the broker shows signs of life (or ``timeout_ms``, a caller asking again);
+        raises :class:`~distill.pipeline.liveness.BrokerRefusal` when it refuses the HELLO."""
         wait = self.wait_for_broker(Command.HELLO, self._sock.last_endpoint.decode(), timeout_ms)
         self._send(Command.HELLO, {"run_id": self.run_id, "peer_id": self.peer_id, "rank": rank}, wait)
         while True:
             self._check_refused()
             if self._sock.poll(100):
                 wait.heard()
-                try:
-                    welcome = self._on_message(protocol.recv(self._sock))
-                except ProtocolError as exc:
-                    self._refusals.warning("bad message from broker: %s", exc.reason)
-                    welcome = None
+                welcome = self._on_hello_answer(wait)
                 if welcome is not None:
                     self._meet_broker()  # so a leader can tell this broker from a restarted one
                     return welcome
             wait.check()
+
+    def _on_hello_answer(self, wait: BrokerWait) -> dict[str, Any] | None:
+        """Take one message while waiting for WELCOME: the WELCOME's body, None for anything
+        else (handled as usual); the broker's refusal of the HELLO is raised."""
+        try:
+            msg = protocol.recv(self._sock)
+        except ProtocolError as exc:
+            self._refusals.warning("bad message from broker: %s", exc.reason)
+            return None
+        if msg.command is Command.ERROR and msg.body.get("command") == Command.HELLO.name:
+            raise wait.refused(msg.body["reason"])
+        return self._on_message(msg)
 
     def slot_tensors(self, slot_idx: int, batch_config: BatchConfig) -> tuple[memoryview, dict]:
         """The payload of a slot and views of its tensors (fresh tensor objects over
@@ -541,14 +557,27 @@ class SlotPool:
         self.heart.stop()
         with contextlib.suppress(zmq.ZMQError):  # no route to the broker (refused key): skip BYE
             protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
-        self._sock.close(linger=100)
-        self._ctx.term()
+        self._sock.setsockopt(zmq.LINGER, BYE_LINGER_MS)
+        self._disconnect()
         if self._inbox is not None:
             self._inbox.close()
         # Drop our views of the segment first, so that closing it can unmap it.
         self._slot_views.clear()
         self.headers = self._payload_rows = None
         self.medium.close()
+
+
+def _disconnect(sock: zmq.Socket, ctx: zmq.Context, heart: Heartbeater) -> None:
+    """Close a pool's connection to the broker: stop its heartbeats (without waiting for
+    their thread), close its socket (within the socket's LINGER: 0 unless :meth:`SlotPool.close`
+    gave its BYE time), then terminate its context, which has no socket left to wait for.
+
+    A finalizer and not ``Context.__del__``: collected together with a dropped pool, the
+    context was terminated while the pool's socket, in the same cycle, was still open, and
+    ``term()`` waited for it for ever in the collecting thread."""
+    heart.stop(wait=False)
+    sock.close()
+    ctx.term()
 
 
 def _open_medium(cfg: PoolConfig, secure: bool) -> SharedMemoryManager:

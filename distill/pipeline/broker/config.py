@@ -26,6 +26,9 @@ WORK_TIMEOUT_FACTOR = 10.0
 """Derived deadline of a WORK: this many times the slowest recent batch of its model."""
 WORK_TIMEOUT_MIN_BEATS = 10
 """... and never less than this many heartbeat intervals (a GC pause is not a hang)."""
+RUN_GRACE_BEATS = 10
+"""Derived ``run_grace_s``: this many heartbeat intervals (a peer is given up on after
+``heartbeat_liveness`` of them; its run is kept a while longer, for it to come back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +58,12 @@ class BrokerConfig:
     """Student peers: every rank's client and every DataLoader worker is one."""
     max_workers: int = 4_096
     max_runs: int = 1_024
-    """Runs (the jobs of a sweep). Runs with no model, queue or student are forgotten to
-    make room for new ones; runs with a model are kept."""
+    """Runs (the jobs of a sweep). A new run takes the place of one that never had a live
+    peer, or of one with no model, queue or student; runs in use are kept."""
+    run_grace_s: float | None = None
+    """How long a run is kept (its model, generation and leader) once it has no live peer:
+    no student, no WORK in flight, no heartbeat from its leader. None: RUN_GRACE_BEATS
+    heartbeat intervals."""
     max_worker_credit: int = 65_536
     """Slots one worker may hold at once, whatever its READY says."""
     max_stride_bytes: int = 1 << 40
@@ -88,14 +95,20 @@ class BrokerConfig:
                 _check_positive_int(field.name, value)
         for name in ("heartbeat_interval_s", "first_work_timeout_s"):
             _check_positive_seconds(name, getattr(self, name))
-        if self.work_timeout_s is not None:
-            _check_positive_seconds("work_timeout_s", self.work_timeout_s)
+        for name in ("work_timeout_s", "run_grace_s"):
+            if getattr(self, name) is not None:
+                _check_positive_seconds(name, getattr(self, name))
         for name in ("frontend_endpoint", "backend_endpoint", "control_endpoint", "control_pub_endpoint"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"BrokerConfig.{name}={value!r}: must be an endpoint string or None")
         if self.curve is not None and not isinstance(self.curve, CurveConfig):
             raise ValueError(f"BrokerConfig.curve={self.curve!r}: must be a CurveConfig or None")
+
+    @property
+    def run_grace(self) -> float:
+        """``run_grace_s``, or its derived value (seconds)."""
+        return RUN_GRACE_BEATS * self.heartbeat_interval_s if self.run_grace_s is None else self.run_grace_s
 
     @classmethod
     def build(cls, config: BrokerConfig | None = None, **options: Any) -> BrokerConfig:

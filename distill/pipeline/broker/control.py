@@ -57,7 +57,7 @@ class Control:
         if peer_id != run.leader_id and run.leader_id is not None:
             log.info("run %s: leader %s (epoch %d) replaces %s (epoch %d)", run.run_id, peer_id,
                      epoch, run.leader_id, run.leader_epoch)
-        run.leader_epoch, run.leader_id = epoch, peer_id
+        self.state.runs.set_leader(run, epoch, peer_id)
 
     def on_stop(self, identity: bytes, key: str | None, body: dict) -> None:
         """Publish STOP to the workers (of one run, or all); answered with the stats."""

@@ -41,6 +41,7 @@ class Frontend:
             raise ProtocolError(f"student {peer_id} belongs to run {peer.run_id}, not {run_id}: "
                                 "use one peer id per run")
         peer.last_seen = now
+        self.state.runs.mark_live(run_id, now)
         return peer
 
     def on_hello(self, identity: bytes, key: str | None, body: dict) -> None:
@@ -84,6 +85,7 @@ class Frontend:
         state = self.state
         students = state.students
         peer = students.peers.get(body["peer_id"])
+        state.runs.heard_leader(body["peer_id"], time.monotonic())  # a leader that never said HELLO
         if peer is None and body["peer_id"] in students.purged:
             # We dropped its requests: it must ask again. (Unknown but never purged
             # means its first REQUEST is still on the way: nothing to do.)
@@ -93,6 +95,7 @@ class Frontend:
         if peer is not None:
             check_key(f"student {peer.peer_id[:64]}", peer.connection.key, key)
             peer.last_seen = time.monotonic()
+            state.runs.mark_live(peer.run_id, peer.last_seen)
         # With how many live workers there are: the student splits its direct requests
         # among that many (a worker that joins later gets its share at once).
         state.send.to_student(identity, Command.HEARTBEAT, {**state.beat_body, "workers": len(state.workers)})

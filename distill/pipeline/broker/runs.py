@@ -9,6 +9,12 @@ with it: the run's ``queued``, the broker's total, and each connection's (its
 the queues it describes. The table also keeps what the runs' ``model_cfg`` weigh
 together (``retained_cfg_bytes``), bounded by ``max_retained_cfg_bytes``.
 
+A run holds its entry only while it has live peers (:meth:`RunTable.forget_abandoned`):
+a student of the run, a WORK of it in flight, or its leader's heartbeats. One without
+any for ``run_grace_s`` is forgotten, and one that never had a live peer (a SET_MODEL
+alone) gives its entry up at once to a new run when the table is full: runs made up by
+a peer cannot keep ``max_runs`` filled and refuse every run to come.
+
 :class:`RequestLedger` remembers which slot requests are outstanding or were just
 answered, so that a repeated REQUEST (a student re-asking after our restart while its
 first REQUEST was still on the way) never has one slot dispatched twice.
@@ -16,6 +22,7 @@ first REQUEST was still on the way) never has one slot dispatched twice.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,6 +54,8 @@ class RunState:
     leader_id: str | None = None
     share_model: bool = False
     """Fan-out opt-in: its slots may get samples computed for other runs of the same model."""
+    last_live: float = field(default_factory=time.monotonic)
+    """When a live peer of the run was last seen (monotonic; until one is, when it was made)."""
 
     def same_model(self, other: RunState) -> bool:
         """Whether ``other`` asks for exactly this run's model (both depth-bounded by the protocol)."""
@@ -64,6 +73,10 @@ class RunTable:
         self.queued = 0
         """Slots queued over all runs."""
         self.retained_cfg_bytes = 0
+        self.unclaimed: dict[str, None] = {}
+        """Runs no live peer has ever shown up for, oldest first (an insertion-ordered set)."""
+        self.leaders: dict[str, str] = {}
+        """Leader peer id -> the one run its heartbeats keep alive (its latest SET_MODEL's)."""
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -72,25 +85,79 @@ class RunTable:
         return self.runs.get(run_id)
 
     def get_or_add(self, run_id: str, busy: Callable[[], set[str]]) -> RunState:
-        """The run ``run_id``, made if new (forgetting an idle run at ``max_runs``)."""
+        """The run ``run_id``, made if new (forgetting another at ``max_runs``, see :meth:`_make_room`)."""
         run = self.runs.get(run_id)
         if run is None:
             self._make_room(run_id, busy)
             run = self.runs[run_id] = RunState(run_id)
             self.order.append(run_id)
+            self.unclaimed[run_id] = None
         return run
 
     def _make_room(self, run_id: str, busy: Callable[[], set[str]]) -> None:
-        """At ``max_runs``, forget an idle run (no model, queue, student or work) or refuse."""
+        """At ``max_runs``, forget the oldest run no live peer ever showed up for, else an
+        idle one (no model, queue, student or work), else refuse."""
         if len(self.runs) < self.config.max_runs:
             return
-        in_use = busy()
-        idle = next((r.run_id for r in self.runs.values()
-                     if r.model_id is None and not r.queued and r.run_id not in in_use), None)
-        if idle is None:
+        victim = next(iter(self.unclaimed), None)
+        if victim is None:
+            in_use = busy()
+            victim = next((r.run_id for r in self.runs.values()
+                           if r.model_id is None and not r.queued and r.run_id not in in_use), None)
+        if victim is None:
             raise over_limit(f"{len(self.runs)} runs known, cannot add run {run_id[:40]}", "max_runs")
-        del self.runs[idle]
-        self.order.remove(idle)
+        self.forget(victim)
+
+    # ------------------------------------------------------------------ liveness
+    def mark_live(self, run_id: str, now: float) -> None:
+        """A live peer of ``run_id`` showed up (a student's message, its leader's heartbeat)."""
+        run = self.runs.get(run_id)
+        if run is not None:
+            run.last_live = now
+            if self.unclaimed:
+                self.unclaimed.pop(run_id, None)
+
+    def heard_leader(self, peer_id: str, now: float) -> None:
+        """A heartbeat from ``peer_id``: if it leads a run, that run has a live peer."""
+        run_id = self.leaders.get(peer_id)
+        if run_id is not None:
+            self.mark_live(run_id, now)
+
+    def set_leader(self, run: RunState, epoch: int, peer_id: str) -> None:
+        """``peer_id`` (epoch ``epoch``) leads ``run`` now; its heartbeats keep this run
+        alive, and no other (a peer id leads one run: one beat cannot keep many alive)."""
+        if run.leader_id is not None and self.leaders.get(run.leader_id) == run.run_id:
+            del self.leaders[run.leader_id]
+        run.leader_epoch, run.leader_id = epoch, peer_id
+        self.leaders[peer_id] = run.run_id
+
+    def forget_abandoned(self, now: float, busy: set[str]) -> list[str]:
+        """Forget the runs without a live peer for ``run_grace_s`` (``busy``: runs with a
+        student or a WORK in flight, alive now); returns their ids."""
+        for run_id in busy:
+            self.mark_live(run_id, now)
+        since = now - self.config.run_grace
+        gone = [run.run_id for run in self.runs.values() if run.last_live < since and not run.queued]
+        if gone:
+            for run_id in gone:
+                self._drop(run_id)
+            kept = [run_id for run_id in self.order if run_id in self.runs]  # one pass, not one per run
+            self.order.clear()
+            self.order.extend(kept)
+        return gone
+
+    def forget(self, run_id: str) -> None:
+        """Drop run ``run_id`` (nothing queued in it) and all it keeps: model, generation, leader."""
+        self._drop(run_id)
+        self.order.remove(run_id)
+
+    def _drop(self, run_id: str) -> None:
+        run = self.runs.pop(run_id)
+        assert not run.queued, f"run {run_id} forgotten with {run.queued} slots queued"
+        self.unclaimed.pop(run_id, None)
+        if run.leader_id is not None and self.leaders.get(run.leader_id) == run_id:
+            del self.leaders[run.leader_id]
+        self.retained_cfg_bytes -= run.cfg_cost
 
     def set_model(self, run: RunState, model_id: str, model_cfg: dict | None, cost: int) -> None:
         """Switch ``run``'s model, within the bytes all runs' configs may keep."""

@@ -223,6 +223,10 @@ class Broker:
     def _purge(self, now: float) -> None:
         self._backend.purge(now)
         self._frontend.purge(now)
+        gone = self._state.forget_abandoned_runs(now)
+        if gone:
+            log.info("forgot %d run(s) without a live peer for %.1fs: %s%s", len(gone), self.config.run_grace,
+                     ", ".join(run_id[:40] for run_id in gone[:5]), ", ..." if len(gone) > 5 else "")
 
     def _guarded(self, step: str, fn: Callable[..., None], *args: Any) -> None:
         """Run a step of the loop; an exception is a bug to log and count, never the end."""

@@ -86,6 +86,10 @@ class BrokerState:
         busy.update(w.run_id for p in self.workers.peers.values() for w in p.in_flight.values())
         return busy
 
+    def forget_abandoned_runs(self, now: float) -> list[str]:
+        """Forget the runs that have had no live peer for the grace period (``runs.py``)."""
+        return self.runs.forget_abandoned(now, self.busy_runs())
+
     def snapshot(self) -> BrokerStats:
         c = self.counters
         runs = self.runs.runs.values()

@@ -168,10 +168,55 @@ def test_a_full_run_table_forgets_an_idle_run_or_refuses_by_name() -> None:
     table.get_or_add("idle", set)
     busy = table.get_or_add("busy", set)
     table.set_model(busy, "m", None, 0)
+    table.mark_live("idle", 1.0)
+    table.mark_live("busy", 1.0)
     table.get_or_add("new", set)
     assert set(table.runs) == {"busy", "new"}
+    table.mark_live("new", 1.0)
     with pytest.raises(ProtocolError, match="max_runs"):
         table.get_or_add("newer", lambda: {"new"})
+
+
+def test_a_run_no_live_peer_ever_showed_up_for_gives_its_place_up_first() -> None:
+    """SET_MODELs alone (made-up runs) fill the table: a new run takes the oldest one's
+    place, however many there are, and never the place of a run that had a live peer."""
+    table = RunTable(BrokerConfig(max_runs=3))
+    live = table.get_or_add("live", set)
+    table.set_model(live, "m", None, 0)
+    table.mark_live("live", 1.0)
+    for i in range(10):
+        made_up = table.get_or_add(f"made-up-{i}", set)
+        table.set_model(made_up, "m", {"k": i}, 100)
+    assert list(table.runs) == ["live", "made-up-8", "made-up-9"]
+    assert table.retained_cfg_bytes == 200  # what the forgotten runs kept is given back
+    assert list(table.order) == list(table.runs)
+
+
+def test_a_run_without_live_peers_is_forgotten_after_the_grace() -> None:
+    table = RunTable(BrokerConfig(run_grace_s=5.0))
+    for run_id in ("student", "leader", "gone"):
+        table.set_leader(table.get_or_add(run_id, set), 1, f"leader-of-{run_id}")
+    start = time.monotonic()
+    assert table.forget_abandoned(start + 4.0, busy={"student"}) == []  # within the grace
+    table.heard_leader("leader-of-leader", start + 4.0)  # its heartbeats: its run is alive
+    assert table.forget_abandoned(start + 8.0, busy={"student"}) == ["gone"]
+    assert table.leaders == {"leader-of-student": "student", "leader-of-leader": "leader"}
+    assert table.forget_abandoned(start + 12.0, busy=set()) == ["leader"]  # quiet since start + 4
+    assert table.forget_abandoned(start + 14.0, busy=set()) == ["student"]
+    assert not table.runs and not table.order and not table.leaders and not table.unclaimed
+
+
+def test_one_leader_heartbeat_keeps_one_run_alive() -> None:
+    """A peer id leads the run of its latest SET_MODEL only: one peer's beats cannot keep
+    a thousand made-up runs alive."""
+    table = RunTable(BrokerConfig(run_grace_s=5.0))
+    first, second = (table.get_or_add(run_id, set) for run_id in ("first", "second"))
+    table.set_leader(first, 1, "beats")
+    table.set_leader(second, 1, "beats")
+    start = time.monotonic()
+    table.heard_leader("beats", start + 4.0)
+    assert table.forget_abandoned(start + 8.0, busy=set()) == ["first"]
+    assert "second" not in table.unclaimed
 
 
 def test_what_all_runs_keep_of_their_model_cfg_is_bounded() -> None:
