@@ -67,7 +67,9 @@ def finish_run(ctx: StudentContext) -> None:
             result = evaluate(teacher, replacements, ctx.heldout_NT, batch_size=cfg.student.micro_batch_size)
             if final is not replacements:  # the exported student had an end-to-end stage
                 summary["student_after_layer_stages"] = result.student
-                if not same_student(teacher, replacements, base, final):  # else it kept its step-0 weights
+                if same_student(teacher, replacements, base, final):  # it kept its step-0 weights
+                    result.per_layer_layer_stages = dict(result.per_layer)
+                else:
                     result = _rescored_after_e2e(ctx, result, base, final)
         log.info("held-out %s: teacher %.4f, student %.4f", result.kind, result.teacher, result.student)
     decode = None
