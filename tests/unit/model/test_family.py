@@ -24,13 +24,8 @@ from distill.model import family as families
 from distill.model.assemble import export_student, load_student
 from distill.model.evaluate import evaluate
 from distill.model.teacher import Teacher
-from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
-from distill.replacements.linear_attention import LinearAttentionLayer
-from distill.replacements.lowrank import LowRankLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
-from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
-from distill.replacements.teacher_copy import TeacherCopy
 from tests.tiny_teachers import (
     DECODER_FAMILIES,
     ENCODER_FAMILIES,
@@ -38,18 +33,11 @@ from tests.tiny_teachers import (
     family_config,
     family_model,
 )
+from tests.unit.model.test_native import KINDS as NATIVE_KINDS
 
 CONF = Path(__file__).resolve().parents[3] / "conf" / "replacement"
 VOCAB, NEW = 96, 5
-KINDS = {
-    "copy": (TeacherCopy, {}),
-    "mlp": (ResidualMLP, {"hidden_mult": 1.0}),
-    "linear_attention": (LinearAttentionLayer, {"chunk_size": 4}),
-    "sliding_window_linear": (SlidingWindowLinearLayer, {"chunk_size": 4, "window": 3}),
-    "gated_linear_attention": (GatedLinearAttentionLayer, {"chunk_size": 4, "gate_init": 0.9}),
-    "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
-    "lowrank": (LowRankLayer, {"rank_fraction": 0.5}),
-}
+KINDS = NATIVE_KINDS  # the kinds and options test_native builds, on every family here
 CFG = {"_target_": "recorded.only", "_partial_": True}
 TAKEN = [(name, kind) for name in DECODER_FAMILIES for kind in KINDS
          if kind not in families.FAMILIES[name].refused_kinds]
