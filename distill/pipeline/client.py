@@ -307,15 +307,21 @@ class StudentClient:
         answer is raised at once as :class:`BrokerRefusal`, with the broker's reason."""
         ctx = zmq.Context.instance()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), self._keys)
+        sock.setsockopt(zmq.SNDTIMEO, protocol.SEND_RETRY_MS)  # a refused key leaves no route
         watch = HandshakeWatch(sock) if self._keys is not None else None
         sock.connect(self.control_endpoint)
         try:
-            protocol.send(sock, command, body)
             wait = self._pool.wait_for_broker(command, self.control_endpoint)
-            while not sock.poll(100):
+
+            def go_on() -> bool:
                 if watch is not None and (refusal := watch.refusal()) is not None:
                     raise PermissionError(f"{command.name} not delivered: {refusal}")
                 wait.check()
+                return True
+
+            protocol.send_patiently(sock, command, body, go_on)
+            while not sock.poll(100):
+                go_on()
             reply = protocol.recv(sock)
             if reply.command is Command.ERROR:
                 raise wait.refused(reply.body["reason"])
