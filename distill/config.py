@@ -85,6 +85,13 @@ class Inputs(StrEnum):
     mix = "mix"
 
 
+class Schedule(StrEnum):
+    """How the layer stages are laid out (``student.schedule``, see distill.train.joint)."""
+
+    sequential = "sequential"
+    joint = "joint"
+
+
 class Trainable(StrEnum):
     """What the end-to-end stage trains (``student.e2e.trainable``, see distill.train.e2e)."""
 
@@ -311,6 +318,14 @@ class StudentConfig:
     layers: list[int] | None = None
     """Teacher layers to replace; null = all. With an automatic hybrid (``hybrid``), the candidates."""
     layers_per_stage: int = 1
+    schedule: Schedule = Schedule.sequential
+    """``sequential``: stages of ``layers_per_stage`` layers one after another; stage l makes
+    the workers run the teacher's layers 0..l for every sample, so converting L layers costs
+    about (L+1)/2 teacher passes per training token. ``joint``: one stage trains every layer
+    at once from a single pass: the workers send only the embeddings, and the student runs
+    the chain itself, each replacement fed what comes out of the layers before it and
+    trained against the teacher's own layer on that input (1 teacher pass per training
+    token whatever the depth; ``layers_per_stage`` is then ignored)."""
     steps_per_stage: int = 400
     micro_batch_size: int = 8
     grad_accum_steps: int = 1

@@ -8,7 +8,9 @@ made of on this machine, and projects the configured stages from them:
   so a layer costs ``t_full / L``; stage l makes the workers run layers 0..l for every sample;
 - the student: one training step of a replacement (forward, loss, backward, ``micro_batch_size``
   chunks, ``grad_accum_steps`` times), plus, with closed-loop inputs (``student.inputs=student``),
-  its own run of layers 0..l-1 to make the layer's input;
+  its own run of layers 0..l-1 to make the layer's input; a joint stage
+  (``student.schedule=joint``) is one step of every replacement plus one run of the teacher's
+  layers on the student's side, and the workers only embed;
 - a stage's step takes the longer of the student's step and the teachers' share of it (the
   pipeline overlaps them: ``local.num_workers`` workers, or ``pipeline.teacher_workers``);
 - the end-to-end stage: a forward and backward of the whole student per step, plus the teachers'
@@ -120,8 +122,11 @@ def project(cfg: DictConfig, num_layers: int, timings: Timings) -> list[Row]:
     walls = []
     for stage in stages:
         depth = max(stage.layers) + 1
-        teacher_s = depth * timings.teacher_layer_per_sample_s * samples / workers
-        prefix_s = (min(stage.layers) * timings.student_layer_per_sample_s * samples) if closed_loop else 0.0
+        if stage.joint:  # the workers embed; the student runs the teacher's layers once, beside its own
+            teacher_s, prefix_s = 0.0, depth * timings.student_layer_per_sample_s * samples
+        else:
+            teacher_s = depth * timings.teacher_layer_per_sample_s * samples / workers
+            prefix_s = (min(stage.layers) * timings.student_layer_per_sample_s * samples) if closed_loop else 0.0
         student_s = timings.student_step_s * len(stage.layers) + prefix_s
         walls.append((max(teacher_s, student_s), "teacher" if teacher_s > student_s else "student"))
     rows = []
@@ -156,7 +161,8 @@ def render(rows: list[Row], timings: Timings, cfg: DictConfig) -> str:
         f"{cfg.data.seq_len} tokens; a student step {1e3 * timings.student_step_s:.1f} ms "
         f"({cfg.student.micro_batch_size} chunks x {cfg.student.grad_accum_steps}). Left out: start-up "
         "(loading the teacher in every process), validation, checkpoints. To shorten it: fewer "
-        "student.steps_per_stage, student.layers_per_stage > 1 (one teacher pass for several layers), "
+        "student.steps_per_stage, student.schedule=joint (one teacher pass per token for all layers), "
+        "student.layers_per_stage > 1 (one teacher pass for several layers), "
         "more teacher workers (local.num_workers) where the teacher sets the pace.",
     ]
     return "\n".join(lines)

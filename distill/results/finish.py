@@ -56,7 +56,8 @@ def finish_run(ctx: StudentContext) -> None:
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
     summary = {"teacher": teacher_source(cfg), "replacement": cfgs[min(cfgs)].get("_target_"),
                "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
-               "layers_per_stage": cfg.student.layers_per_stage, "world_size": ctx.world_size,
+               "schedule": cfg.student.schedule, "layers_per_stage": cfg.student.layers_per_stage,
+               "world_size": ctx.world_size,
                "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
     hybrid = read_choice(ctx.checkpoint_dir) if hybrid_on(cfg.student) else None
     if hybrid is not None:

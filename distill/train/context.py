@@ -221,3 +221,23 @@ def barrier(ctx: StudentContext) -> None:
     """Wait for every rank (nothing to wait for on one rank)."""
     if ctx.world_size > 1:
         dist.barrier()
+
+
+def average_gradients(module: nn.Module, ctx: StudentContext) -> None:
+    """Average the gradients of ``module``'s trainable parameters over the ranks, in one
+    flat all-reduce: for a module trained without DDP (a joint stage backpropagates each
+    layer on its own, which DDP's one-backward-per-forward reducer does not allow)."""
+    if ctx.world_size == 1:
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # a rank whose layer got no gradient still takes part
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= ctx.world_size
+    offset = 0
+    for p in params:
+        count = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + count].view_as(p.grad))
+        offset += count

@@ -268,6 +268,10 @@ class E2ETrainer(StageTrainer):
     def _setup_inputs(self, frozen: dict[int, nn.Module]) -> None:
         self.closed_loop = None
 
+    def _clip_gradients(self) -> float:
+        """One norm over the whole student: its loss is one, not a layer's own."""
+        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.scfg.grad_clip))
+
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
         device = self.ctx.device
         teacher_BTD = batch["hidden"][:, 0].to(device)

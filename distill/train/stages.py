@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from distill.config import Family, Inputs
+from distill.config import Family, Inputs, Schedule
 from distill.model.location import has_lm_head, teacher_model
 from distill.pipeline import BatchConfig, TensorSpec
 
@@ -41,10 +41,15 @@ class Stage:
     kind: str = "layers"
     """``layers`` (per-layer targets), ``score`` (per-layer targets for an automatic hybrid's
     scoring pass, see distill.train.hybrid) or ``e2e`` (top-k log-probabilities of the full model)."""
+    joint: bool = False
+    """Every layer trained at once from the embeddings alone (``student.schedule=joint``, see
+    distill.train.joint): a sample carries position 0 only, and the student runs the chain."""
 
     @property
     def positions(self) -> tuple[int, ...]:
         """Boundary positions whose hidden states a sample carries, ascending."""
+        if self.joint:
+            return (0,)
         boundaries = {p for layer in self.layers for p in (layer, layer + 1)}
         if self.closed_loop:
             boundaries.add(0)
@@ -52,7 +57,7 @@ class Stage:
 
     @property
     def model_id(self) -> str:
-        loop = ":closed" if self.closed_loop else ""
+        loop = ":joint" if self.joint else ":closed" if self.closed_loop else ""
         return f"stage{self.index}:{self.kind}" + ",".join(map(str, self.layers)) + loop
 
     @property
@@ -60,6 +65,8 @@ class Stage:
         cfg: dict = {"stage": self.index, "layers": list(self.layers)}
         if self.closed_loop:
             cfg["closed_loop"] = True
+        if self.joint:
+            cfg["joint"] = True
         if self.kind != "layers":
             cfg["kind"] = self.kind
         return cfg
@@ -69,7 +76,15 @@ class Stage:
         """The stage a worker is asked for (inverse of ``model_cfg``)."""
         model_cfg = model_cfg or {}
         return cls(int(model_cfg.get("stage", 0)), tuple(model_cfg["layers"]),
-                   bool(model_cfg.get("closed_loop", False)), str(model_cfg.get("kind", "layers")))
+                   bool(model_cfg.get("closed_loop", False)), str(model_cfg.get("kind", "layers")),
+                   bool(model_cfg.get("joint", False)))
+
+    @property
+    def captured_layers(self) -> list[int]:
+        """The teacher layers whose inputs or outputs a worker captures for this stage."""
+        if self.joint:
+            return [0]
+        return [*self.layers, *([0] if self.closed_loop else [])]
 
     def io_index(self, layer: int) -> tuple[int, int]:
         """Indices into the sample's ``hidden`` of layer's input and output."""
@@ -146,14 +161,25 @@ def scoring_stages(cfg: DictConfig, num_layers: int) -> list[Stage]:
 
 
 def layer_stages(cfg: DictConfig, num_layers: int, layers: list[int] | None, first_index: int = 0) -> list[Stage]:
-    """The layer stages that convert ``layers``, as the student config plans them."""
+    """The layer stages that convert ``layers``, as the student config plans them: one joint
+    stage of them all (``student.schedule=joint``), or stages of ``layers_per_stage``."""
     student = cfg.student
+    if joint_schedule(student):
+        (stage,) = plan_stages(num_layers, layers, num_layers, closed_loop(student), first_index)
+        return [Stage(stage.index, stage.layers, stage.closed_loop, stage.kind, joint=True)]
     return plan_stages(num_layers, layers, student.layers_per_stage, closed_loop(student), first_index)
+
+
+def joint_schedule(student_cfg: Any) -> bool:
+    """Whether the layer stages are one joint stage (``student.schedule``)."""
+    return student_cfg.get("schedule", Schedule.sequential) == Schedule.joint
 
 
 def _hybrid_positions(cfg: DictConfig, num_layers: int) -> int:
     """Most boundary positions a layer stage of an automatic hybrid can have, whichever layers
     the scoring pass picks: k layers with no two adjacent (+ the embeddings in closed loop)."""
+    if joint_schedule(cfg.student):
+        return 1
     k = cfg.student.layers_per_stage
     return min(2 * k + int(closed_loop(cfg.student)), num_layers + 1)
 

@@ -67,8 +67,11 @@ class TeacherTargets:
             write_e2e_targets(self.teacher, input_ids_BT, targets)
             self.samples += len(targets)
             return None
-        captured = self.teacher.capture(input_ids_BT, [*stage.layers, *([0] if stage.closed_loop else [])])
-        states = [_state_at(captured, p) for p in stage.positions]
+        if stage.joint:  # the student runs the chain: only what enters layer 0
+            states = [self.teacher.embed(input_ids_BT)]
+        else:
+            captured = self.teacher.capture(input_ids_BT, stage.captured_layers)
+            states = [_state_at(captured, p) for p in stage.positions]
         for i, target in enumerate(targets):
             target.tensors["input_ids"].copy_(input_ids_BT[i])
         self.samples += len(targets)

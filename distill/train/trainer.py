@@ -26,12 +26,14 @@ from distill.train import checkpoint as ckpt
 from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
 from distill.train.context import (
     StudentContext,
+    average_gradients,
     barrier,
     broadcast_int,
     gradient_sync,
     is_sharded,
     wrap_for_training,
 )
+from distill.train.joint import JointTraining, JointValidation
 from distill.train.losses import layer_loss
 from distill.train.modules import build_stage_module, load_stage_replacements
 from distill.train.stages import Stage
@@ -76,6 +78,7 @@ class StageTrainer:
         self._loader_iter = None
         self._background: BackgroundBatches | None = None
         self.closed_loop: ClosedLoopInputs | None = None
+        self.joint: JointTraining | None = None
         self.validation: LayerValidation | None = None
         self.patience = Patience(self.scfg.patience, self.scfg.min_delta)
         self.best = BestWeights()
@@ -99,14 +102,23 @@ class StageTrainer:
         return load_stage_replacements(self.ctx, [s for s in self.ctx.stages if s.index < self.stage.index])
 
     def _setup_inputs(self, frozen: dict[int, nn.Module]) -> None:
-        """Closed-loop input builder (``student.inputs``); None for teacher inputs."""
+        """Closed-loop input builder (``student.inputs``); None for teacher inputs. A joint
+        stage builds every input itself (:mod:`distill.train.joint`)."""
+        if self.stage.joint:
+            scfg = self.scfg
+            self.joint = JointTraining(self.ctx.teacher, self.stage, scfg.inputs, scfg.loss, scfg.steps_per_stage,
+                                       scfg.grad_accum_steps, self.start_step, scfg.seed)
+            log.info("stage %d: layers %s trained jointly (%s inputs), one teacher pass per token",
+                     self.stage.index, _span(self.stage.layers), scfg.inputs)
+            return
         self.closed_loop = build_closed_loop(self.ctx, self.stage, frozen, self.scfg.steps_per_stage,
                                              self.start_step)
 
     def _setup_model(self) -> None:
         torch.manual_seed(self.scfg.seed + self.stage.index)
         self.module: nn.Module = build_stage_module(self.ctx.cfg, self.ctx.teacher, self.stage).to(self.ctx.device)
-        self.model: nn.Module = wrap_for_training(self.module, self.ctx)
+        # a joint stage backpropagates layer by layer and averages its gradients itself
+        self.model: nn.Module = self.module if self.stage.joint else wrap_for_training(self.module, self.ctx)
 
     def _setup_optimizer(self) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -151,7 +163,10 @@ class StageTrainer:
     def _setup_validation(self, frozen: dict[int, nn.Module]) -> None:
         """Held-out inputs and teacher targets of the stage's layers, computed here once (leader)."""
         ctx = self.ctx
-        if ctx.leader and len(ctx.heldout_NT):
+        if ctx.leader and len(ctx.heldout_NT) and self.stage.joint:
+            self.validation = JointValidation(ctx.teacher, self.stage, ctx.heldout_NT, self.scfg.micro_batch_size,
+                                              ctx.device, self.scfg.loss)
+        elif ctx.leader and len(ctx.heldout_NT):
             self.validation = LayerValidation(ctx.teacher, self.stage, ctx.heldout_NT, frozen,
                                               self.scfg.micro_batch_size, ctx.device, self.scfg.loss)
 
@@ -183,10 +198,11 @@ class StageTrainer:
                 else:
                     wait_s += time.monotonic() - t0
                 with gradient_sync(self.model, sync=micro == accum - 1):
-                    loss, losses = self._loss(batch)
-                    (loss / accum).backward()
+                    losses = self._micro_step(batch, accum)
                 samples += batch["input_ids"].shape[0]
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.scfg.grad_clip)
+            if self.joint is not None:
+                average_gradients(self.module, self.ctx)
+            grad_norm = self._clip_gradients()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -253,6 +269,23 @@ class StageTrainer:
                      self.stage.index, self.scfg.patience)
         return stop
 
+    def _micro_step(self, batch: dict[str, torch.Tensor], accum: int) -> dict[int, float]:
+        """Forward and backward of one micro-batch (gradients scaled by 1/accum); per-layer losses."""
+        if self.joint is not None:
+            embed_BTD = batch["hidden"][:, 0].to(self.ctx.device, non_blocking=True)
+            return self.joint(embed_BTD, self.module.blocks)
+        loss, losses = self._loss(batch)
+        (loss / accum).backward()
+        return losses
+
+    def _clip_gradients(self) -> float:
+        """Clip each replacement's gradients on their own (the layers' losses are independent,
+        so a layer's step does not shrink because other layers share its stage); the largest
+        norm before clipping."""
+        norms = [torch.nn.utils.clip_grad_norm_(block.parameters(), self.scfg.grad_clip)
+                 for block in self.module.blocks.values()]
+        return max(float(norm) for norm in norms)
+
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
         hidden_BPTD = batch["hidden"].to(self.ctx.device, non_blocking=True)
         inputs, targets = {}, {}
@@ -264,7 +297,7 @@ class StageTrainer:
             inputs = self.closed_loop(hidden_BPTD, inputs, self.module.blocks)
         preds = self.model(inputs)
         per_layer = {layer: layer_loss(preds[layer], targets[layer], self.scfg.loss) for layer in preds}
-        loss = torch.stack(list(per_layer.values())).mean()
+        loss = torch.stack(list(per_layer.values())).sum()  # each layer's gradient is its own loss's
         return loss, {layer: float(v.detach()) for layer, v in per_layer.items()}
 
     def _log_train(self, step: int, losses: dict[int, float], grad_norm: float, samples: int,
@@ -348,8 +381,17 @@ def _progress_name(stage: Stage) -> str:
     """The stage as its progress bar names it."""
     if stage.kind == "e2e":
         return f"stage {stage.index} end-to-end"
+    if stage.joint:
+        return f"stage {stage.index} layers {_span(stage.layers)} jointly"
     what = "scoring layers" if stage.kind == "score" else "layers"
     return f"stage {stage.index} {what} {','.join(map(str, stage.layers))}"
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    """``0-29`` for a run of consecutive layers, else the list."""
+    if len(layers) > 2 and list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
 
 
 def _by_str(values: dict[int, float]) -> dict[str, float]:

@@ -175,6 +175,24 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     _wait_gone("e2ebert")
 
 
+def test_joint_schedule_trains_every_layer_in_one_stage_on_two_ranks(tmp_path: Path) -> None:
+    """student.schedule=joint: one stage of all layers, fed the embeddings alone (the ranks run
+    the chain and average their gradients without DDP), exported and evaluated like any run."""
+    overrides = [*_tiny(tmp_path), "run_id=jointllama", "student.schedule=joint", "student.steps_per_stage=8",
+                 "student.val_every_steps=4", "local.num_workers=1"]
+    _run(overrides, tmp_path / "run", tmp_path)
+    _wait_gone("jointllama")
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    ends = [(m["layers"], m["kind"], m["steps"]) for m in metrics if m["event"] == "stage_end"]
+    assert ends == [([0, 1, 2], "layers", 8)]
+    assert all(set(m["layer_losses"]) == {"0", "1", "2"} for m in metrics if m["event"] == "train")
+    assert [m["step"] for m in metrics if m["event"] == "val"] == [4, 8]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["summary"]["schedule"] == "joint"
+    assert set(result["eval"]["per_layer"]) == {"0", "1", "2"}
+    assert result["eval"]["student"] > 0
+
+
 def _check_data_supply_and_time_split(run: Path, log: str) -> None:
     """Each stage reports how well the teachers fed it (and says so when they did not);
     the run's wall time is split into teacher, transport, student compute and waiting."""

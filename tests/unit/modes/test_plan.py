@@ -29,6 +29,17 @@ def test_a_deep_teacher_sets_the_pace_of_its_late_stages_and_more_workers_share_
     assert project(cfg, 30, timings)[0].step_s < expected / 2
 
 
+def test_a_joint_schedule_costs_one_step_per_layer_and_one_teacher_pass_whatever_the_depth() -> None:
+    timings = Timings(teacher_layer_per_sample_s=0.01, student_step_s=0.1, student_layer_per_sample_s=0.01)
+    for depth in (30, 80):
+        cfg = _compose(["student.schedule=joint", "student.e2e.steps=0", "student.micro_batch_size=8"])
+        (layers, *_) = project(cfg, depth, timings)
+        assert (layers.count, layers.bound) == (1, "student")
+        assert abs(layers.step_s - depth * (0.1 + 0.01 * 8)) < 1e-9
+        sequential = project(_compose(["student.e2e.steps=0", "student.micro_batch_size=8"]), depth, timings)[0]
+        assert layers.wall_s < sequential.wall_s
+
+
 def test_plan_prints_a_projection_and_starts_nothing(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "distill", "mode=plan", *TINY, f"teacher.cache_dir={shared_tiny_cache(tmp_path)}",

@@ -138,3 +138,42 @@ def test_fsdp_trains_as_ddp_and_resumes_exactly(tmp_path: Path, procs: Procs) ->
         directory = tmp_path / "ckpt" / result["trainable"]
         assert (directory / "current" / "optimizer.safetensors").exists()
         _student(result["trainable"]).load_state_dict(load_file(str(directory / "stage_1" / "replacement.safetensors")))
+
+
+def _average_rank(rank: int, init_file: str, results) -> None:
+    """DDP's reduced gradients against a plain module's, averaged by average_gradients."""
+    import torch.distributed as dist
+
+    from distill.replacements.mlp import ResidualMLP
+    from distill.train.context import average_gradients, wrap_for_training
+    from tests.tiny_teachers import tiny_llama
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    teacher = tiny_llama(vocab_size=40, num_layers=2)
+    ctx = SimpleNamespace(world_size=WORLD, device=torch.device("cpu"))
+    input_BTD = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(rank))
+    grads = []
+    for wrapped in (True, False):
+        torch.manual_seed(1)
+        module = ResidualMLP(teacher, 0).float()
+        model = wrap_for_training(module, ctx) if wrapped else module
+        model(input_BTD).pow(2).mean().backward()
+        if not wrapped:
+            average_gradients(module, ctx)
+        grads.append([p.grad.clone() for p in module.parameters() if p.requires_grad])
+    if rank == 0:
+        results.put(max((a - b).abs().max().item() for a, b in zip(*grads, strict=True)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_average_gradients_reduces_as_ddp_does(tmp_path: Path, procs: Procs) -> None:
+    """A joint stage trains without DDP (one backward per layer) and averages its gradients itself."""
+    results = SPAWN.Queue()
+    ranks = [procs.start(_average_rank, rank, str(tmp_path / "init"), results, name=f"rank{rank}")
+             for rank in range(WORLD)]
+    (error,) = procs.collect(results, 1, ranks, timeout_s=120)
+    for proc in ranks:
+        procs.join(proc, 30)
+    assert error < 1e-6
