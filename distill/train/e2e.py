@@ -290,7 +290,7 @@ class E2ETrainer(StageTrainer):
         """An ``e2e_train`` event (not ``train``: the per-layer curves stay the layer stages')."""
         elapsed = max(time.monotonic() - started, 1e-9)
         loss = losses.get(LOSS_KEY, math.nan)
-        bar.set_postfix(kl=f"{loss:.4f}", samples_s=f"{samples * self.ctx.world_size / elapsed:.0f}")
+        bar.set_postfix(kl=f"{loss:.4f}", samples_s=f"{samples * self.ctx.world_size / elapsed:.3g}")
         self.ctx.log_metrics({"event": "e2e_train", "stage": self.stage.index, "step": step, "loss": loss,
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "samples_per_s": samples * self.ctx.world_size / elapsed})

@@ -306,7 +306,7 @@ class StageTrainer:
         mean = sum(losses.values()) / max(1, len(losses))
         rate = samples * self.ctx.world_size / elapsed
         wait_fraction = wait_s / max(compute_s, 1e-9)
-        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.0f}", wait=f"{wait_fraction:.0%}")
+        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:.3g}", wait=f"{wait_fraction:.0%}")
         self.ctx.log_metrics({"event": "train", "stage": self.stage.index, "kind": self.stage.kind,
                               "layers": list(self.stage.layers),
                               "step": step, "loss": mean, "layer_losses": {str(k): v for k, v in losses.items()},
