@@ -407,11 +407,9 @@ def _json_record(record: dict) -> dict:
 def train_stage(trainer: StageTrainer) -> None:
     """Set up, train and record one stage; its setup and its record are timed as phases
     of the run (``distill.train.timing``), its steps by ``train`` itself."""
-    try:
-        with timed(trainer.ctx.timings, "stage_setup_s"):
-            trainer.setup()
-        trainer.train()
-        with timed(trainer.ctx.timings, "checkpoint_s"):
-            trainer.finish()
-    finally:  # a failing stage still stops its loader thread and closes its pool
-        trainer.cleanup()
+    with timed(trainer.ctx.timings, "stage_setup_s"):
+        trainer.setup()
+    trainer.train()
+    with timed(trainer.ctx.timings, "checkpoint_s"):
+        trainer.finish()
+    trainer.cleanup()
