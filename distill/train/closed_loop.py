@@ -60,38 +60,54 @@ def run_student_layers(teacher: Teacher, embed_BTD: torch.Tensor, wanted: tuple[
     return out
 
 
-class ClosedLoopInputs:
-    """Replaces a stage's teacher inputs by student-built ones, on the schedule of ``mode``.
+class InputSchedule:
+    """Which samples of each micro-batch are fed student-built inputs, on the schedule of
+    ``mode`` (``student.inputs``). Counts its calls (one per micro-batch) to know the step, so
+    it needs no hook in the training loop; ``start_step`` keeps the schedule right after a resume."""
 
-    Counts its calls (one per micro-batch) to know the step, so it needs no hook in the
-    training loop; ``start_step`` keeps the schedule right after a resume.
-    """
-
-    def __init__(self, teacher: Teacher, stage: Stage, frozen: dict[int, nn.Module], mode: str,
-                 total_steps: int, grad_accum_steps: int, start_step: int, seed: int) -> None:
+    def __init__(self, mode: str, total_steps: int, grad_accum_steps: int, start_step: int, seed: int,
+                 stage_index: int) -> None:
         student_fraction(mode, 0, total_steps)  # rejects an unknown mode now
-        self.teacher = teacher
-        self.stage = stage
-        self.frozen = frozen
         self.mode = mode
         self.total_steps = total_steps
         self.accum = grad_accum_steps
         self.micro_batches = start_step * grad_accum_steps
-        self.generator = torch.Generator().manual_seed(seed * 1009 + stage.index)
+        self.generator = torch.Generator().manual_seed(seed * 1009 + stage_index)
+
+    def next_fraction(self) -> float:
+        """The share of student inputs for the next micro-batch."""
+        fraction = student_fraction(self.mode, self.micro_batches // self.accum, self.total_steps)
+        self.micro_batches += 1
+        return fraction
+
+    def pick(self, batch_size: int, fraction: float) -> torch.Tensor:
+        """Per sample, whether it gets the student's input (drawn only for a share between 0 and 1)."""
+        if fraction <= 0.0 or fraction >= 1.0:
+            return torch.full((batch_size,), fraction >= 1.0)
+        return torch.rand(batch_size, generator=self.generator) < fraction
+
+
+class ClosedLoopInputs:
+    """Replaces a stage's teacher inputs by student-built ones, on an :class:`InputSchedule`."""
+
+    def __init__(self, teacher: Teacher, stage: Stage, frozen: dict[int, nn.Module], mode: str,
+                 total_steps: int, grad_accum_steps: int, start_step: int, seed: int) -> None:
+        self.schedule = InputSchedule(mode, total_steps, grad_accum_steps, start_step, seed, stage.index)
+        self.teacher = teacher
+        self.stage = stage
+        self.frozen = frozen
 
     def __call__(self, hidden_BPTD: torch.Tensor, teacher_inputs: dict[int, torch.Tensor],
                  current: Mapping[str, nn.Module]) -> dict[int, torch.Tensor]:
         """Inputs for this micro-batch; ``current`` holds the stage's own replacements (by str layer)."""
-        fraction = student_fraction(self.mode, self.micro_batches // self.accum, self.total_steps)
-        self.micro_batches += 1
+        fraction = self.schedule.next_fraction()
         if fraction == 0.0:
             return teacher_inputs
         layers = {**self.frozen, **{int(k): v for k, v in current.items()}}
         student = run_student_layers(self.teacher, hidden_BPTD[:, 0], self.stage.layers, layers)
         if fraction >= 1.0:
             return student
-        pick_B = torch.rand(hidden_BPTD.shape[0], generator=self.generator) < fraction
-        pick_B11 = pick_B.to(hidden_BPTD.device)[:, None, None]
+        pick_B11 = self.schedule.pick(hidden_BPTD.shape[0], fraction).to(hidden_BPTD.device)[:, None, None]
         return {layer: torch.where(pick_B11, student[layer], teacher_inputs[layer]) for layer in teacher_inputs}
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from distill.model.teacher import Teacher
-from distill.train.closed_loop import student_fraction
+from distill.train.closed_loop import InputSchedule
 from distill.train.losses import layer_loss
 from distill.train.stages import Stage
 from distill.train.validation import Validation
@@ -76,28 +76,22 @@ def run_chain(teacher: Teacher, trained: tuple[int, ...], embed_BTD: torch.Tenso
 class JointTraining:
     """A joint stage's micro-batch: the chain, each replacement's loss and its backward.
 
-    Counts its calls (one per micro-batch) to know the step for ``mix``, like
-    :class:`distill.train.closed_loop.ClosedLoopInputs`; ``start_step`` keeps the schedule
-    right after a resume.
+    Which samples pass the replacement's output on follows an
+    :class:`distill.train.closed_loop.InputSchedule`, as closed-loop inputs do.
     """
 
     def __init__(self, teacher: Teacher, stage: Stage, mode: str, loss: str, total_steps: int,
                  grad_accum_steps: int, start_step: int, seed: int) -> None:
-        student_fraction(mode, 0, total_steps)  # rejects an unknown mode now
+        self.schedule = InputSchedule(mode, total_steps, grad_accum_steps, start_step, seed, stage.index)
         self.teacher = teacher
         self.layers = stage.layers
-        self.mode = mode
         self.loss = loss
-        self.total_steps = total_steps
         self.accum = grad_accum_steps
-        self.micro_batches = start_step * grad_accum_steps
-        self.generator = torch.Generator().manual_seed(seed * 1009 + stage.index)
 
     def __call__(self, embed_BTD: torch.Tensor, blocks: Mapping[str, nn.Module]) -> dict[int, float]:
         """Train on one micro-batch (gradients accumulate, scaled by 1/accum); the per-layer losses."""
-        fraction = student_fraction(self.mode, self.micro_batches // self.accum, self.total_steps)
-        self.micro_batches += 1
-        pick_B = torch.rand(embed_BTD.shape[0], generator=self.generator) < fraction
+        fraction = self.schedule.next_fraction()
+        pick_B = self.schedule.pick(embed_BTD.shape[0], fraction) if fraction > 0 else None
         losses: dict[int, float] = {}
 
         def on_step(step: ChainStep) -> torch.Tensor:
@@ -107,7 +101,7 @@ class JointTraining:
             losses[step.layer] = float(value.detach())
             return pred_BTD
 
-        run_chain(self.teacher, self.layers, embed_BTD, blocks, pick_B if fraction > 0 else None, on_step)
+        run_chain(self.teacher, self.layers, embed_BTD, blocks, pick_B, on_step)
         return losses
 
 
