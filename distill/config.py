@@ -425,6 +425,11 @@ class Config:
     """mode=keys: where to write the key pairs; null = pipeline.auth_keys_dir."""
     keys_clients: list[str] = field(default_factory=lambda: ["client"])
     """mode=keys: one client key pair per name (a machine, or a role such as worker/student)."""
+    keys_workers: list[str] = field(default_factory=list)
+    """mode=keys: names of keys_clients issued the worker role (the broker admits them on the
+    backend and broadcast sockets only); a client in neither list may connect to every socket."""
+    keys_students: list[str] = field(default_factory=list)
+    """mode=keys: names of keys_clients issued the student role (frontend, control, broadcasts)."""
     keys_overwrite: bool = False
     """mode=keys: replace existing keys (machines holding the old ones are then refused)."""
 

@@ -7,6 +7,7 @@ import fcntl
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,6 +119,18 @@ def endpoints(tmp_path: Path) -> dict[str, str]:
     sock_dir.mkdir(mode=0o700)
     return {name: f"ipc://{sock_dir}/{name}.sock"
             for name in ("frontend", "backend", "control", "control_pub")}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def tcp_endpoints() -> dict[str, str]:
+    """Loopback endpoints on ports the OS just handed out (keys need tcp: ipc has no handshake)."""
+    return {name: f"tcp://127.0.0.1:{_free_port()}" for name in ("frontend", "backend", "control", "control_pub")}
 
 
 @pytest.fixture

@@ -102,9 +102,14 @@ def request(peer_id: str, medium: str, slots: list[list[int]], *, stride: int = 
             "slots": slots}
 
 
+LEADER_SECRET = "hostile-tests-leader-secret"
+"""The leader secret of :func:`set_model` (a run's leader is whoever holds its secret)."""
+
+
 def set_model(model_id: str = "m", *, run_id: str = "default", peer_id: str = "leader", epoch: int = 1,
               **extra: Any) -> dict[str, Any]:
-    return {"run_id": run_id, "model_id": model_id, "leader_epoch": epoch, "peer_id": peer_id, **extra}
+    return {"run_id": run_id, "model_id": model_id, "leader_epoch": epoch, "peer_id": peer_id,
+            "leader_secret": LEADER_SECRET, **extra}
 
 
 def medium_name(tag: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.utils.data
@@ -71,6 +72,24 @@ def run_segment_owner() -> None:
     pool = SlotPool("ipc:///nonexistent/frontend.sock", "owner", 2, 4096, lambda: 0, lambda _: None)
     time.sleep(120)
     pool.close()
+
+
+def run_squatted_student(endpoints: dict[str, str], pids, go, results, samples: int = 20) -> None:
+    """Say its pid and wait for ``go`` (a squatter plants files in /dev/shm meanwhile),
+    then start a StudentClient of the run "default", take ``samples`` verified samples and
+    report its segment's name."""
+    from distill.pipeline import StudentClient
+
+    setup_logging("WARNING")
+    pids.put(os.getpid())
+    if not go.wait(60):
+        return
+    with StudentClient(0, 8, batch_config(), endpoints["frontend"], endpoints["control"],
+                       endpoints["control_pub"], heartbeat_interval_s=0.2) as client:
+        client.hello()
+        generation = client.set_model("squatted")
+        consume_verified(client, generation, samples)
+        results.put(client._pool.medium.buf_name)
 
 
 def run_broker(endpoints: dict[str, str], heartbeat_interval_s: float = 0.2) -> None:
@@ -465,3 +484,23 @@ def run_dropped_clients(endpoints: dict[str, str], refused_run: str, welcomed_ru
     collector.join(10)
     results.put({"outcomes": outcomes, "gc_s": took[0] if took else None})
     done.wait(60)
+
+
+def run_hanging_worker(endpoints: dict[str, str], hang_after: int, busy_file: str,
+                       direct_requests: bool = False, heartbeat_interval_s: float = 0.2) -> None:
+    """A worker whose first ``hang_after`` batches are quick and whose next one never
+    returns (it writes its batch's size to ``busy_file`` first)."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    batches = [0]
+
+    def batch_fn(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
+        batches[0] += 1
+        if batches[0] > hang_after:
+            Path(busy_file).write_text(str(len(targets)))
+            time.sleep(600)
+        fill_targets(model_id, model_cfg, targets)
+
+    Worker(batch_fn=batch_fn, batch_config=batch_config(), max_batch=2, direct_requests=direct_requests,
+           backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+           heartbeat_interval_s=heartbeat_interval_s).run()

@@ -24,11 +24,13 @@ def run_keys(cfg: DictConfig) -> None:
     keys_dir = cfg.keys_dir or cfg.pipeline.auth_keys_dir
     if not keys_dir:
         raise ValueError("mode=keys needs keys_dir=<directory> (or pipeline.auth_keys_dir) to write the keys to")
-    files = create_keys(keys_dir, list(cfg.keys_clients), overwrite=cfg.keys_overwrite)
-    print(placement(Path(keys_dir).expanduser(), files), flush=True)
+    roles = {**{str(name): "student" for name in cfg.keys_students},
+             **{str(name): "worker" for name in cfg.keys_workers}}
+    files = create_keys(keys_dir, list(cfg.keys_clients), overwrite=cfg.keys_overwrite, roles=roles)
+    print(placement(Path(keys_dir).expanduser(), files, roles), flush=True)
 
 
-def placement(root: Path, files: KeyFiles) -> str:
+def placement(root: Path, files: KeyFiles, roles: dict[str, str] | None = None) -> str:
     """Which files each machine needs, relative to the keys directory (the layout is kept)."""
     def rel(path: Path) -> Path:
         return path.relative_to(root)
@@ -37,8 +39,9 @@ def placement(root: Path, files: KeyFiles) -> str:
              f"  broker machine:  {rel(files.server_secret)}  {rel(files.server_public)}  "
              f"{CLIENTS_DIR}/*.key  (the allow-list: delete a client's .key there to refuse it)"]
     for name, (_, secret) in files.clients.items():
-        lines.append(f"  client {name!r}:  {rel(files.server_public)}  {rel(secret)}  "
-                     f"-> run it with pipeline.auth_client={name}")
+        role = (roles or {}).get(name)
+        lines.append(f"  client {name!r} ({f'role {role}' if role else 'any role'}):  {rel(files.server_public)}  "
+                     f"{rel(secret)}  -> run it with pipeline.auth_client={name}")
     lines.append(f"every process: pipeline.auth_keys_dir=<its copy of {root}>; "
                  "never copy a .key_secret to another machine than its own")
     return "\n".join(lines)

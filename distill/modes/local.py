@@ -40,6 +40,7 @@ from distill.modes.process import configure_logging, die_with_parent, exit_on_si
 from distill.pipeline import protocol
 from distill.pipeline.auth import AuthError, CurveConfig, secure_client
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
+from distill.pipeline.leadership import run_secret
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
 from distill.pipeline.protocol import Command
 from distill.results.record import add_time_split, read_result
@@ -76,6 +77,7 @@ def run_local(cfg: DictConfig) -> None:
     if placement.worker_gpus or placement.student_gpus:
         log.info("placement: %s", placement.describe())
     socket_dir = _private_socket_dir(run_id)
+    secret = run_secret(Path(socket_dir), run_id)  # the students' leader reads it (train/transport.py)
     common = _child_overrides(run_id, socket_dir, out)
     student_gpus = [f"device.student_gpus=[{','.join(map(str, placement.student_gpus))}]"] \
         if placement.student_gpus else []
@@ -97,7 +99,7 @@ def run_local(cfg: DictConfig) -> None:
         add_worker.unlink(missing_ok=True)  # the job's sockets go now
         control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
                    else default_endpoint("control", socket_dir))
-        _stop_all(children, control, curve_config(cfg))
+        _stop_all(children, control, curve_config(cfg), secret)
         shutil.rmtree(socket_dir, ignore_errors=True)
         sweep_orphans(min_age_s=0)
 
@@ -192,10 +194,12 @@ def _tail(child: Child, lines: int = 20) -> None:
         log.error("last lines of %s:\n%s", child.log_path, "\n".join(text))
 
 
-def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig | None = None) -> None:
-    """Ask workers to stop (STOP), then SIGTERM what is left, then SIGKILL after a grace period."""
+def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig | None = None,
+              secret: str | None = None) -> None:
+    """Ask workers to stop (STOP, with the run's leader ``secret``: the broker refuses a STOP
+    of a led run without it), then SIGTERM what is left, then SIGKILL after a grace period."""
     if any(c.proc.poll() is None for c in children):
-        _publish_stop(control_endpoint, curve)
+        _publish_stop(control_endpoint, curve, secret)
     for child in reversed(children):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
@@ -209,12 +213,12 @@ def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig |
             child.proc.wait()
 
 
-def _publish_stop(control_endpoint: str, curve: CurveConfig | None = None) -> None:
+def _publish_stop(control_endpoint: str, curve: CurveConfig | None = None, secret: str | None = None) -> None:
     try:
         keys = curve.client_keys() if curve is not None else None
         sock = secure_client(protocol.configure(zmq.Context.instance().socket(zmq.DEALER)), keys)
         sock.connect(control_endpoint)
-        protocol.send(sock, Command.STOP, {})
+        protocol.send(sock, Command.STOP, {} if secret is None else {"leader_secret": secret})
         sock.poll(500)
         sock.close(linger=0)
     except (zmq.ZMQError, AuthError):

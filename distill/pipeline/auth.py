@@ -22,12 +22,20 @@ Key layout, as ``python -m distill mode=keys`` writes it (see :func:`create_keys
 
 Secret files must be private to the user (no group/other permission bits): a key
 anyone can read authenticates anyone.
+
+Roles: a client key may be issued for a role (``create_keys(..., roles=...)`` writes it
+into the public key file's metadata, ``role = worker``). Each broker socket has a ZAP
+domain of its own (``distill.<socket>``), and a key with a role is admitted only on the
+sockets of that role (:data:`ROLE_SOCKETS`): a worker's key cannot switch the model or
+ask for samples, a student's key cannot take work. A key without a role (keys made
+before roles, or one key shared by every process) is admitted on every socket.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -46,6 +54,14 @@ CLIENTS_DIR = "clients"
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 ZAP_DOMAIN = "distill"
+BROKER_SOCKETS = ("frontend", "backend", "control", "control_pub")
+ROLE_SOCKETS: dict[str, frozenset[str]] = {
+    "worker": frozenset({"backend", "control_pub"}),
+    "student": frozenset({"frontend", "control", "control_pub"}),
+}
+"""The broker sockets a key of each role may connect to (students lead, follow and read
+statistics; workers take work and hear model switches)."""
+_ROLE_LINE = re.compile(r"^\s+role\s*=\s*\"?([A-Za-z_]+)\"?\s*$", re.MULTILINE)
 REFUSAL_LOG_INTERVAL_S = 60.0
 """A refused key is logged at most once per interval (its peer keeps reconnecting)."""
 
@@ -70,13 +86,21 @@ class ServerKeys:
     secret: bytes
     allowed_dir: Path
 
-    def apply(self, sock: zmq.Socket) -> zmq.Socket:
-        """Make ``sock`` a CURVE server whose handshakes the ZAP handler checks (before bind)."""
+    def apply(self, sock: zmq.Socket, socket_name: str) -> zmq.Socket:
+        """Make ``sock`` (the broker's ``socket_name`` socket) a CURVE server whose handshakes
+        the ZAP handler checks in that socket's domain (before bind)."""
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
-        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.zap_domain = zap_domain(socket_name).encode()
         return sock
+
+
+def zap_domain(socket_name: str) -> str:
+    """The ZAP domain of one broker socket: the handler knows which socket a key asks for."""
+    if socket_name not in BROKER_SOCKETS:
+        raise ValueError(f"no broker socket {socket_name!r}; one of {BROKER_SOCKETS}")
+    return f"{ZAP_DOMAIN}.{socket_name}"
 
 
 @dataclass(frozen=True)
@@ -247,43 +271,69 @@ class AllowList:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.refused = 0
-        self._keys: set[bytes] = set()
+        self._keys: dict[bytes, str | None] = {}
         self._mtime_ns: int | None = None
         self._logged: dict[bytes, float] = {}
         self._lock = threading.Lock()
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: may the peer with this z85 public key connect?"""
+        """ZAP: may the peer with this z85 public key connect to the socket of ``domain``?"""
+        socket_name = domain.removeprefix(f"{ZAP_DOMAIN}.")
         with self._lock:
-            allowed = key in self._current()
-            if not allowed:
-                self._note_refusal(key)
-        return allowed
+            keys = self._current()
+            if key not in keys:
+                self._note_refusal(key, f"is not in the allow-list {self.directory}")
+                return False
+            role = keys[key]
+            if role is not None and socket_name not in ROLE_SOCKETS.get(role, ()):
+                self._note_refusal(key, f"has the role {role!r}, which may not connect to the broker's "
+                                        f"{socket_name} socket")
+                return False
+        return True
 
-    def _current(self) -> set[bytes]:
+    def _current(self) -> dict[bytes, str | None]:
+        """Public key -> its role (None: any socket), read again when the directory changes."""
         try:
             mtime_ns = self.directory.stat().st_mtime_ns
         except OSError:
-            return set()  # the allow-list vanished: admit nobody
+            return {}  # the allow-list vanished: admit nobody
         if mtime_ns != self._mtime_ns:
-            self._keys = set(zmq.auth.load_certificates(self.directory))
+            self._keys = _load_roles(self.directory)
             self._mtime_ns = mtime_ns
         return self._keys
 
-    def _note_refusal(self, key: bytes) -> None:
+    def _note_refusal(self, key: bytes, why: str) -> None:
         self.refused += 1
         now = time.monotonic()
         if now - self._logged.get(key, -REFUSAL_LOG_INTERVAL_S) >= REFUSAL_LOG_INTERVAL_S:
             self._logged[key] = now
-            log.warning("refused a peer whose public key %s is not in the allow-list %s",
-                        key.decode(errors="replace"), self.directory)
+            log.warning("refused a peer whose public key %s %s", key.decode(errors="replace"), why)
+
+
+def _load_roles(directory: Path) -> dict[bytes, str | None]:
+    """The public keys of ``directory``'s ``*.key`` files, each with its role (or None)."""
+    keys: dict[bytes, str | None] = {}
+    for path in sorted(directory.glob(f"*{PUBLIC_SUFFIX}")):
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+            match = _ROLE_LINE.search(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            log.warning("allow-list: cannot read %s (%s): skipped", path, exc)
+            continue
+        role = match.group(1) if match else None
+        if role is not None and role not in ROLE_SOCKETS:
+            log.warning("allow-list: %s has the unknown role %r: admitted nowhere", path, role)
+        keys[public] = role
+    return keys
 
 
 def start_authenticator(ctx: zmq.Context, keys: ServerKeys) -> ThreadAuthenticator:
     """The ZAP handler for ``ctx`` (start it before binding CURVE server sockets in it)."""
     authenticator = ThreadAuthenticator(ctx, log=log.getChild("zap"))
     authenticator.start()
-    authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=AllowList(keys.allowed_dir))
+    allow_list = AllowList(keys.allowed_dir)
+    for socket_name in BROKER_SOCKETS:
+        authenticator.configure_curve_callback(domain=zap_domain(socket_name), credentials_provider=allow_list)
     return authenticator
 
 
@@ -297,14 +347,18 @@ class KeyFiles:
     """name -> (public, secret)."""
 
 
-def create_keys(keys_dir: str | Path, client_names: list[str], *, overwrite: bool = False) -> KeyFiles:
+def create_keys(keys_dir: str | Path, client_names: list[str], *, overwrite: bool = False,
+                roles: dict[str, str] | None = None) -> KeyFiles:
     """Write a server key pair and one pair per client in the layout of the module docstring.
 
     Directories are made 0700 and secrets 0600. Existing keys are kept unless
-    ``overwrite``: new keys lock out every machine that holds the old ones.
+    ``overwrite``: new keys lock out every machine that holds the old ones. ``roles``
+    maps a client name to its role (a key of ``ROLE_SOCKETS``); a client not named
+    there gets a key without a role (admitted on every socket).
     """
     require_curve()
     names = _check_client_names(client_names)
+    roles = _check_roles(roles or {}, names)
     root = Path(keys_dir).expanduser()
     clients_dir = root / CLIENTS_DIR
     targets = [root / SERVER_NAME, *(clients_dir / name for name in names)]
@@ -317,7 +371,7 @@ def create_keys(keys_dir: str | Path, client_names: list[str], *, overwrite: boo
     for directory in (root, clients_dir):
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         directory.chmod(0o700)
-    written = [_create_pair(target) for target in targets]
+    written = [_create_pair(targets[0]), *(_create_pair(clients_dir / name, roles.get(name)) for name in names)]
     return KeyFiles(*written[0], clients=dict(zip(names, written[1:], strict=True)))
 
 
@@ -335,14 +389,27 @@ def _check_client_names(client_names: list[str]) -> list[str]:
     return names
 
 
-def _create_pair(target: Path) -> tuple[Path, Path]:
-    """One key pair: ``<target>.key`` (0644) and ``<target>.key_secret`` (0600)."""
+def _check_roles(roles: dict[str, str], names: list[str]) -> dict[str, str]:
+    for name, role in roles.items():
+        if name not in names:
+            raise AuthError(f"keys_roles names {name!r}, which is not in keys_clients {names}")
+        if role not in ROLE_SOCKETS:
+            raise AuthError(f"keys_roles: {name!r} has the role {role!r}; use one of {sorted(ROLE_SOCKETS)}")
+    return roles
+
+
+def _create_pair(target: Path, role: str | None = None) -> tuple[Path, Path]:
+    """One key pair: ``<target>.key`` (0644) and ``<target>.key_secret`` (0600), of ``role``."""
     public, secret = Path(str(target) + PUBLIC_SUFFIX), Path(str(target) + SECRET_SUFFIX)
     for path in (public, secret):
         path.unlink(missing_ok=True)
     old_umask = os.umask(0o077)  # the secret is never readable by others, not even briefly
     try:
-        zmq.auth.create_certificates(target.parent, target.name)
+        zmq.auth.create_certificates(target.parent, target.name,
+                                     metadata=None if role is None else {"role": role})
+        if role is not None:  # pyzmq writes metadata into the secret file only; the broker reads the public one
+            text = public.read_text(encoding="utf-8")
+            public.write_text(text.replace("metadata\n", f"metadata\n    role = {role}\n", 1), encoding="utf-8")
     finally:
         os.umask(old_umask)
     secret.chmod(0o600)

@@ -11,6 +11,12 @@ A switch always asks for a generation above every one this client has seen
 (``SET_MODEL.min_generation``): a broker that restarted since restarts its count, and
 without that the new model could get the number of an older one, whose samples are
 still in slots and workers everywhere (they would be taken for the new model's).
+
+The leader proves it leads with the run's secret (``leader_secret``, made at start):
+the broker binds the run to it at the first SET_MODEL and refuses leader commands
+without it (``broker/control.py``). A leader process that restarts passes the old
+one's secret (``StudentClient(..., leader_secret=old.leader_secret)``) and takes over
+at the next epoch, which the broker tells it (``MODEL_SET.leader_epoch``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -78,7 +85,12 @@ class StudentConfig:
     medium: str = "shm"
     tcp_host: str | None = None
     leader_epoch: int | None = None
-    """The leader's epoch (default: the start time): a switch of an older epoch is refused."""
+    """The leader's epoch: a command of an older epoch is refused, one past the run's next
+    too. None: the broker's count (this client takes over at the run's next epoch and is
+    told its number)."""
+    leader_secret: str | None = None
+    """What proves this client leads its run (at least 16 characters). None: a new random
+    one; a restarted leader process passes its predecessor's (``client.leader_secret``)."""
     curve: CurveConfig | None = None
     share_model: bool = False
     """Fan-out opt-in: this run's slots may get samples made for other runs of the same model."""
@@ -121,9 +133,10 @@ class StudentClient:
         # Fan-out opt-in: this run's slots may get samples the teacher made for other
         # runs of the same model (one teacher pass for a whole sweep; see broker.py).
         self.share_model = cfg.share_model
-        # The newest leader of a run wins: a later start gets a larger epoch, so a
-        # leader left over from an earlier incarnation of the job is refused.
-        self.leader_epoch = time.time_ns() if cfg.leader_epoch is None else cfg.leader_epoch
+        # The newest holder of the run's secret leads: a new process takes over at the next
+        # epoch (TAKE_OVER_EPOCH until the broker says which), one left over from before is refused.
+        self.leader_epoch = protocol.TAKE_OVER_EPOCH if cfg.leader_epoch is None else cfg.leader_epoch
+        self.leader_secret = cfg.leader_secret or secrets.token_hex(16)
         self._keys = cfg.curve.client_keys() if cfg.curve is not None else None
         self.batch_config = cfg.batch_config
         self.run_id = cfg.run_id
@@ -236,7 +249,7 @@ class StudentClient:
                                                       **self._leader()})
             if reply.command is not Command.MODEL_SET:
                 raise RuntimeError(f"broker answered SET_MODEL with {reply.command.name}, not MODEL_SET")
-            self._note_generation(reply.body["generation"])
+            self._note_leader(reply)
             self.model_id = model_id
             self._model_cfg = model_cfg
         self._start_keeper()
@@ -247,8 +260,9 @@ class StudentClient:
         return min(self.generation + 1, protocol.MAX_INT)
 
     def stop_workers(self) -> None:
-        """Ask the broker to publish STOP to every worker."""
-        self._control(Command.STOP, {})
+        """Ask the broker to publish STOP to every worker (only the leader of every run that
+        has one may: the broker checks this client's ``leader_secret``)."""
+        self._control(Command.STOP, {"leader_secret": self.leader_secret})
 
     def request_sample(self, timeout_ms: float = 1000) -> SampleRef | None:
         """The next filled slot of the current generation, or None after ``timeout_ms``."""
@@ -338,10 +352,10 @@ class StudentClient:
                 log.warning("restoring model %s (generation %d) on the broker", self.model_id,
                             self.generation)
                 try:
-                    self._control(Command.SET_MODEL, {"run_id": self.run_id, "model_id": self.model_id,
-                                                      "model_cfg": self._model_cfg,
-                                                      "restore_generation": self.generation,
-                                                      **self._leader()})
+                    reply = self._control(Command.SET_MODEL, {
+                        "run_id": self.run_id, "model_id": self.model_id, "model_cfg": self._model_cfg,
+                        "restore_generation": self.generation, **self._leader()})
+                    self._note_leader(reply)
                 except BrokerRefusal as exc:
                     log.error("%s", exc)
 
@@ -372,7 +386,13 @@ class StudentClient:
     def _leader(self) -> dict[str, Any]:
         """What the leader declares with every SET_MODEL besides the model."""
         return {"leader_epoch": self.leader_epoch, "peer_id": self._pool.peer_id,
-                "share_model": self.share_model}
+                "share_model": self.share_model, "leader_secret": self.leader_secret}
+
+    def _note_leader(self, reply: protocol.Message) -> None:
+        """Take the generation and the epoch the broker answered a SET_MODEL with."""
+        self._note_generation(reply.body["generation"])
+        if reply.body.get("leader_epoch") is not None:
+            self.leader_epoch = reply.body["leader_epoch"]
 
     def close(self) -> None:
         self._sub_stop.set()

@@ -11,6 +11,10 @@ decides what happens when that someone does not come through:
   slots it never claimed are asked for again at once, with new fills, so it can no
   longer write them;
 - a broker restart: the same, for everything the broker held;
+- the lane deadline: a worker asked by DIRECT that has answered nothing (no notice, no
+  DECLINED) for longer than its deadline is given up on as the broker gives up on a
+  worker past a WORK's deadline: the slots it claimed are quarantined, the rest asked
+  for through the broker, and its lane is asked nothing more (``LaneClock``);
 - the pending deadline: a slot PENDING past ``deadline_s()``, once the pool has made
   progress without it (or after ``STALL_DEADLINES`` deadlines without any), is looked
   at once: a commit whose notice never came is taken, a wrong one refused, a live
@@ -26,6 +30,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from distill.pipeline.delivery import BACKOFF_MAX_S
@@ -50,6 +56,38 @@ progress without it); with no progress at all (no worker yet, a slow start), onl
 broker."""
 WRITER_WINDOW_HEARTBEATS = 30
 """Writers whose commits came within this many heartbeat intervals count for the fair share."""
+LANE_DEADLINE_FACTOR = 10.0
+"""A lane that has answered nothing for this many times its slowest recent wait between
+answers (the broker's WORK_TIMEOUT_FACTOR) ..."""
+LANE_DEADLINE_MIN_BEATS = 10
+"""... and at least this many heartbeat intervals (a GC pause is not a hang) is given up on."""
+LANE_HISTORY = 32
+"""Waits between answers remembered per lane."""
+MAX_LANES = 1024
+"""Lanes whose clocks are kept (idle ones are forgotten first beyond this)."""
+
+
+@dataclass(slots=True)
+class LaneClock:
+    """How one worker's lane answers our DIRECT requests (its batch times, as we see them).
+
+    ``busy_since`` is when we last sent it a request while it owed us nothing; from then
+    or from its last answer, whichever is later, we wait on it. Each notice that ends
+    such a wait adds the wait to ``waits``: its deadline is LANE_DEADLINE_FACTOR times
+    the slowest of them."""
+
+    busy_since: float = 0.0
+    last_sent: float = 0.0
+    last_answer: float = 0.0
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=LANE_HISTORY))
+
+    @property
+    def waiting(self) -> bool:
+        """Whether we sent it a request that it has not answered (nor anything since)."""
+        return self.last_sent > self.last_answer
+
+    def since(self) -> float:
+        return max(self.busy_since, self.last_answer)
 
 
 class Custody:
@@ -61,6 +99,8 @@ class Custody:
         """The fair share last written into the segment header (``max_claims``)."""
         self._failure_logged = 0.0
         self._overdue_log = LogThrottle(log, burst=4)
+        self._lanes: dict[str, LaneClock] = {}
+        """process token of a worker asked by DIRECT -> its lane's clock."""
 
     # ------------------------------------------------------------------ answers
     def on_discarded(self, generation: int, rows: list[list[int]]) -> None:
@@ -95,6 +135,7 @@ class Custody:
             record = pool.slots.pending(slot, req)
             if record is not None and record.route is Route.DIRECT:
                 pool.counts["declined"] += 1
+                self.lane_answered(record.holder, time.monotonic(), measure=False)
                 if not pool.delivery.left_to_writer(record, pool.medium.slot_view(slot)):
                     pool.resend(record)
         log.debug("%s: %d direct request(s) declined: %s", pool.peer_id, len(rows), reason)
@@ -133,6 +174,7 @@ class Custody:
         answers them late (``settle_late``) or is gone; the rest are asked for again. No
         more requests go to its lane."""
         pool = self.pool
+        self._lanes.pop(process, None)  # given up on: its clock starts again with our next request
         taken = 0
         for record in pool.slots.records:
             if record.lane is not None and record.lane[1] == process:
@@ -189,14 +231,74 @@ class Custody:
             if record.state is PENDING and record.route is Route.BROKER:
                 self.pool.delivery.wait_or_ask(record, "lost with the broker", keep_request=True)
 
+    # ------------------------------------------------------------------ lanes
+    def lane_sent(self, process: str, now: float) -> None:
+        """We sent DIRECT requests to the lane of ``process`` (its clock starts if it owed us nothing)."""
+        clock = self._lanes.get(process)
+        if clock is None:
+            if len(self._lanes) >= MAX_LANES:
+                self._forget_idle_lanes()
+            clock = self._lanes[process] = LaneClock()
+        if not clock.waiting:
+            clock.busy_since = now
+        clock.last_sent = now
+
+    def lane_answered(self, process: str | int | None, now: float, *, measure: bool = True) -> None:
+        """The lane of ``process`` answered (a notice; a DECLINED with ``measure=False``):
+        it is alive, and how long we waited on it is one of its batch times."""
+        clock = self._lanes.get(process) if isinstance(process, str) else None
+        if clock is None:
+            return
+        if measure and clock.waiting:
+            clock.waits.append(now - clock.since())
+        clock.last_answer = now
+
+    def lane_deadline_s(self, clock: LaneClock) -> tuple[float, str]:
+        """How long a lane may leave us waiting, and how that was chosen (for the log)."""
+        floor = LANE_DEADLINE_MIN_BEATS * self.pool.heart.interval_s
+        if not clock.waits:
+            return max(floor, self.deadline_s()), "nothing measured yet: the pending deadline"
+        slowest = max(clock.waits)
+        if LANE_DEADLINE_FACTOR * slowest <= floor:
+            return floor, f"{LANE_DEADLINE_MIN_BEATS} heartbeats; its slowest recent answer took {slowest:.3f}s"
+        return LANE_DEADLINE_FACTOR * slowest, f"{LANE_DEADLINE_FACTOR:g} x its slowest recent answer"
+
+    def _check_lanes(self, alive: dict[Any, bool], now: float) -> None:
+        """Give up on the lanes that left us waiting past their deadline."""
+        for process, clock in list(self._lanes.items()):
+            if not clock.waiting:
+                continue
+            if not _holder_alive(process, alive):  # gone: its slots went to the broker already
+                del self._lanes[process]
+                continue
+            deadline, why = self.lane_deadline_s(clock)
+            elapsed = now - clock.since()
+            if elapsed <= deadline:
+                continue
+            held = sum(r.state is PENDING and r.route is Route.DIRECT and r.holder == process
+                       for r in self.pool.slots.records)
+            log.warning("%s: worker process %s has answered none of our direct requests for %.1fs (it holds %d "
+                        "slot(s)), past its deadline of %.1fs (%s): asking the broker for them and this worker "
+                        "nothing more", self.pool.peer_id, process.rsplit(":", 2)[-2], elapsed, held, deadline,
+                        why)
+            del self._lanes[process]
+            self.pool.counts["hung_lanes"] += 1
+            self._quarantine_direct(process)
+
+    def _forget_idle_lanes(self) -> None:
+        for process in [p for p, clock in self._lanes.items() if not clock.waiting]:
+            del self._lanes[process]
+
     # ------------------------------------------------------------------ once per heartbeat
     def beat_checks(self, now: float) -> None:
         """Quarantined slots whose writer is gone come back; DIRECT or WRITER slots whose
-        holder is gone go to the broker; overdue PENDING slots are looked at; the fair
-        share is brought up to date."""
+        holder is gone go to the broker; lanes past their deadline are given up on;
+        overdue PENDING slots are looked at; the fair share is brought up to date."""
         pool = self.pool
         alive: dict[Any, bool] = {}
         overdue: list[SlotRecord] = []
+        if self._lanes:
+            self._check_lanes(alive, now)
         deadline = self.deadline_s()
         stalled = now - STALL_DEADLINES * deadline
         progress = pool.delivery.progress_asked

@@ -61,6 +61,8 @@ class Delivery:
         pool = self.pool
         if pool.data_socket is not None:
             self.receive_data()  # the data of these slots may be waiting on the data socket
+        if lane is not None:  # its worker is alive (the lane's deadline, ``custody.py``)
+            pool.custody.lane_answered(lane[1], time.monotonic())
         table = pool.slots
         known, count = table.records, len(table.records)
         records, reqs = [], []

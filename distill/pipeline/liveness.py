@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
@@ -156,6 +156,31 @@ class Heartbeater:
             self.broker_id = broker_id
             self.introduced.set()
 
+
+
+class FillProgress:
+    """How many batches a worker has finished, for its heartbeats.
+
+    The heartbeat thread beats on while the worker's batch function hangs, so a beat
+    alone does not say the worker is alive: the count it carries (``batches``) does. The
+    broker gives up on a worker that holds work and whose count has stood still past
+    its deadline (``broker/deadline.py``). Read from the heartbeat thread: one int,
+    replaced, never half-written."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Around one call of the sample function (or a batch's deferred ``finish``): it
+        counts once it returns, or raises (a failed batch is progress too)."""
+        try:
+            yield
+        finally:
+            self.batches += 1
+
+    def report(self) -> dict:
+        return {"batches": self.batches}
 
 
 # --------------------------------------------------------------------------- processes

@@ -12,7 +12,7 @@ of it decide about what comes back:
   moves the generation: only the leader's switches do (the StudentClient's SET_MODEL
   answers and broadcasts, and the broker's DISCARDED);
 - ``custody.py``: what waits on other processes (quarantine, declines, a broker
-  restart, the pending deadline, the writers' fair share).
+  restart, the pending deadline, the lanes' deadline, the writers' fair share).
 
 Asking for a fill: a fresh, random request id per fill (``slots.random_request_ids``);
 the slot's header is *asked* (zeroed, its ``fill`` set to that id) before the request
@@ -194,7 +194,7 @@ class SlotPool:
         self.on_rejoin: Callable[[], None] | None = None
         self.counts = {"accepted": 0, "stale": 0, "rejected": 0, "failed": 0, "discarded": 0,
                        "quarantined": 0, "released": 0, "refused": 0, "notices": 0,
-                       "direct": 0, "declined": 0, "overdue": 0}
+                       "direct": 0, "declined": 0, "overdue": 0, "hung_lanes": 0}
         self._closed = False
         self._met_broker = False
         self._warned_silent = False
@@ -292,6 +292,7 @@ class SlotPool:
             held[lane[1]] = held.get(lane[1], 0) + 1
             by_lane.setdefault(lane, []).append(slot)
         generation = self._generation()
+        now = time.monotonic()
         for (path, process), group in by_lane.items():
             data = encode_datagram(Command.DIRECT, {
                 "run_id": self.run_id, "peer_id": self.peer_id, "generation": generation,
@@ -301,6 +302,7 @@ class SlotPool:
                 for slot in group:
                     records[slot].route, records[slot].holder = Route.DIRECT, process
                 self.counts["direct"] += len(group)
+                self.custody.lane_sent(process, now)  # its deadline (``custody.LaneClock``)
                 continue
             for slot in group:  # gone or full: nobody will write these, the broker may
                 records[slot].lane = None

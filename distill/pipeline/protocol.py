@@ -53,7 +53,10 @@ served by direct requests sends the broker nothing but beats). A worker's HEARTB
 also carries its ``backlog`` (DIRECT slots taken and not yet answered: work the broker
 never sees, so it hands its own WORK to the least loaded worker); the broker's answer
 to a student carries ``workers``, how many live workers it has (a student splits its
-direct requests among that many, ``custody.direct_share``).
+direct requests among that many, ``custody.direct_share``). A worker's HEARTBEAT
+says as well how many batches it has finished so far (``batches``): a worker that holds
+DIRECT work and whose count stands still past its deadline is stuck in its batch
+function (``broker/deadline.py``).
 
 A worker that stops answering may still be writing into the slots it was given
 (frozen, not dead). Its slots are not handed to anyone else: the broker sends the
@@ -63,11 +66,16 @@ also frees them itself once that process is gone. The broker never sees DIRECT
 requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
 slots you asked of this process directly"; the student quarantines those too and
 frees each when that worker's late answer to it (notice or DECLINED) comes.
-SET_MODEL carries the leader's epoch: a switch from an older epoch than the run has
-seen is refused. A switch also carries ``min_generation`` (the leader's newest generation
-+ 1): the new model's generation is above both the run's and that, so a broker that
-restarted (and counts from 0 again) never gives a new model an older model's number; a
-restore (``restore_generation``) puts the leader's model back at its own number.
+SET_MODEL carries the run's leader secret and the leader's epoch (``broker/control.py``):
+the first SET_MODEL of a run the broker has no leader for binds the run to a hash of
+that secret, and every later SET_MODEL or STOP of the run must carry it. An epoch or a
+generation in a message is the run's current one or the next, never more: epoch 0 means
+"a new leader process: take over at the next epoch", and MODEL_SET says which epoch the
+leader holds now. A switch also carries ``min_generation`` (the leader's newest
+generation + 1): the new model's generation is above both the run's and that, so a
+broker that restarted (and counts from 0 again) never gives a new model an older model's
+number; a restore (``restore_generation``) puts the leader's model back at its own
+number, which only the claim of a run the broker has no leader for may do.
 
 Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
 (equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
@@ -92,7 +100,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 8
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
@@ -105,7 +113,13 @@ headers would be refused by every student, and a version-4 broker would refuse t
 leader's switches.
 6: HEARTBEAT.backlog and .workers, READY.backlog (the load that follows the workers,
 ``custody.direct_share``); a version-5 student would refuse every heartbeat answer and
-take the broker for silent, a version-5 broker every worker's READY)."""
+take the broker for silent, a version-5 broker every worker's READY).
+7: HEARTBEAT.batches (a worker's finished batches: one stuck in its batch function while
+it holds DIRECT work is given up on, ``broker/deadline.py``); a version-6 broker would
+refuse every such heartbeat and purge the worker as silent).
+8: SET_MODEL.leader_secret, STOP.leader_secret and MODEL_SET.leader_epoch (a run's leader is
+whoever holds its secret, ``broker/control.py``); a version-7 broker would refuse every
+switch, a version-7 leader would be refused by every broker)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
@@ -114,6 +128,9 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_ITEMS_PER_MESSAGE = 65536
 MAX_STRING_CHARS = 255
 MAX_INT = 2**63 - 1
+TAKE_OVER_EPOCH = 0
+"""SET_MODEL.leader_epoch of a new leader process the broker has told no epoch yet: it
+takes over its run at the run's next epoch (``broker/control.py``)."""
 # What unpacking a body may cost. msgpack builds every object of a body before we can
 # look at it, and the smallest objects cost the most per byte (an empty map: 1 byte on
 # the wire, 64 in memory), so a 4 MiB body of empty maps would cost ~290 MiB and 0.3 s
@@ -207,14 +224,14 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.RELEASE: {"slots": "slots"},
     Command.SET_MODEL: {"run_id": "str", "model_id": "str", "model_cfg": "dict?",
                         "restore_generation": "int?", "min_generation": "int?", "leader_epoch": "int",
-                        "peer_id": "str", "share_model": "bool?"},
-    Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str"},
+                        "peer_id": "str", "share_model": "bool?", "leader_secret": "str?"},
+    Command.MODEL_SET: {"run_id": "str", "generation": "int", "model_id": "str", "leader_epoch": "int?"},
     Command.MODEL: {"run_id": "str", "generation": "int", "model_id": "str", "model_cfg": "dict?"},
-    Command.STOP: {"run_id": "str?"},
+    Command.STOP: {"run_id": "str?", "leader_secret": "str?"},
     Command.STATS: {"run_id": "str?"},
     Command.STATS_REPLY: {"stats": "map"},
     Command.HEARTBEAT: {"peer_id": "str", "role": "str", "direct": "dict?", "interval_ms": "int?",
-                        "backlog": "int?", "workers": "int?"},
+                        "backlog": "int?", "workers": "int?", "batches": "int?"},
     Command.RECONNECT: {},
     Command.BYE: {"peer_id": "str"},
     Command.ERROR: {"reason": "str", "command": "str?", "slots": "slots?"},

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient
 from distill.pipeline.auth import CurveConfig
 from distill.pipeline.endpoints import SOCKET_NAMES, default_endpoint, runtime_dir
+from distill.pipeline.leadership import run_secret
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,13 @@ def run_id(cfg: DictConfig) -> str:
     """``run_id``, or else one per sweep job (so the jobs of a multirun sharing a broker
     never share a run), or else ``default``."""
     return cfg.run_id or sweep_job_run_id() or DEFAULT_RUN_ID
+
+
+def leader_secret(cfg: DictConfig) -> str:
+    """The run's leader secret (``distill.pipeline.leadership``), kept in
+    ``pipeline.socket_dir`` (else the user's runtime directory): a restarted job leads its
+    run again, and mode=local's supervisor can stop the run's workers."""
+    return run_secret(Path(cfg.pipeline.socket_dir or runtime_dir()), run_id(cfg))
 
 
 def sweep_job_run_id() -> str | None:
@@ -104,7 +112,7 @@ def control_client(cfg: DictConfig, rank: int, batch_config: BatchConfig) -> Stu
     eps = endpoints(cfg)
     return StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                          run_id=run_id(cfg), **_heartbeats(cfg), curve=curve_config(cfg),
-                         share_model=cfg.pipeline.fan_out, notices=False,
+                         share_model=cfg.pipeline.fan_out, notices=False, leader_secret=leader_secret(cfg),
                          broker_wait_s=cfg.pipeline.broker_wait_s, broker_pid=cfg.pipeline.broker_pid)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -23,19 +22,6 @@ from tests import peers
 from tests.conftest import SPAWN
 
 ROOT = Path(__file__).parents[2]
-SOCKET_NAMES = ("frontend", "backend", "control", "control_pub")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def tcp_endpoints() -> dict[str, str]:
-    """Loopback endpoints on ports the OS just handed out."""
-    return {name: f"tcp://127.0.0.1:{_free_port()}" for name in SOCKET_NAMES}
 
 
 @pytest.fixture
@@ -108,7 +94,8 @@ def test_student_without_allowed_key_gets_no_service_and_cannot_switch_model(
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER)), rogue.client_keys())
         sock.connect(tcp_endpoints["control"])
         _send_if_taken(sock, Command.SET_MODEL, {"run_id": "default", "model_id": "evil", "model_cfg": None,
-                                                 "leader_epoch": 2**62, "peer_id": "evil"})
+                                                 "leader_epoch": 2**62, "peer_id": "evil",
+                                                 "leader_secret": "evil-leader-secret"})
         _send_if_taken(sock, Command.STOP, {})
         assert not sock.poll(1500)
         sock.close(linger=0)
@@ -116,7 +103,8 @@ def test_student_without_allowed_key_gets_no_service_and_cannot_switch_model(
         plain = protocol.configure(ctx.socket(zmq.DEALER))
         plain.connect(tcp_endpoints["control"])
         _send_if_taken(plain, Command.SET_MODEL, {"run_id": "default", "model_id": "evil", "model_cfg": None,
-                                                  "leader_epoch": 2**62, "peer_id": "evil"})
+                                                  "leader_epoch": 2**62, "peer_id": "evil",
+                                                  "leader_secret": "evil-leader-secret"})
         assert not plain.poll(1000)
         plain.close(linger=0)
         run = broker.stats.per_run["default"]

@@ -59,7 +59,8 @@ def _flood(endpoints: dict[str, str], round_idx: int) -> dict[str, int]:
                 "stride": 4160, "slots": [[j, i * 100 + j] for j in range(100)]}))
             if i < 1000:
                 protocol.send(control, Command.SET_MODEL, {"run_id": f"run-{round_idx}-{i}", "model_id": "m",
-                                                           "leader_epoch": 1, "peer_id": "flooder"})
+                                                           "leader_epoch": 1, "peer_id": "flooder",
+                                                           "leader_secret": "flooder-leader-secret"})
                 protocol.send(backend, Command.READY, {"peer_id": f"w-{round_idx}-{i}", "credit": 0,
                                                        "max_batch": 1})
         for i in range(5000):

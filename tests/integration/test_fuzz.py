@@ -29,13 +29,14 @@ import zmq
 
 from distill.modes.stats import fetch_stats
 from distill.pipeline import Broker, StudentClient, Worker, protocol
+from distill.pipeline.broker.control import MAX_CLAIMED_GENERATION
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.notices import lane_path
 from distill.pipeline.protocol import PROTOCOL_TAG, Command, ProtocolError
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, check_slot, slot_stride
 from tests import peers
 from tests.fakes import FakeBroker
-from tests.hostile import deep_map, raw_body, request, set_model
+from tests.hostile import LEADER_SECRET, deep_map, raw_body, request, set_model
 from tests.mutants import Mutator, Targets
 from tests.procfs import rss_bytes, shm_mappings, steady_growth
 
@@ -453,16 +454,19 @@ def test_set_model_past_the_largest_generation_is_refused_and_the_broker_keeps_s
         def set_model(restore: int | None) -> protocol.Message:
             protocol.send(control, Command.SET_MODEL, {"run_id": "default", "model_id": "m",
                                                        "restore_generation": restore, "leader_epoch": 1,
-                                                       "peer_id": "leader"})
+                                                       "peer_id": "leader", "leader_secret": LEADER_SECRET})
             assert control.poll(5000)
             return protocol.recv(control)
 
         assert "maximum" in set_model(protocol.MAX_INT).body["reason"]
-        assert set_model(protocol.MAX_INT - 1).body["generation"] == protocol.MAX_INT - 1
-        assert set_model(None).body["generation"] == protocol.MAX_INT
-        refused = set_model(None)
-        assert refused.command is Command.ERROR and "start a new run_id" in refused.body["reason"]
-        assert broker.stats.per_run["default"]["generation"] == protocol.MAX_INT
+        # A claim is bounded far below the maximum (control.MAX_CLAIMED_GENERATION), and a
+        # led run's generation moves by one step: no message brings it near the maximum.
+        assert "at most" in set_model(protocol.MAX_INT - 1).body["reason"]
+        assert set_model(MAX_CLAIMED_GENERATION).body["generation"] == MAX_CLAIMED_GENERATION
+        assert set_model(None).body["generation"] == MAX_CLAIMED_GENERATION + 1
+        refused = set_model(protocol.MAX_INT - 1)
+        assert refused.command is Command.ERROR and "jumps past" in refused.body["reason"]
+        assert broker.stats.per_run["default"]["generation"] == MAX_CLAIMED_GENERATION + 1
         _normal_run(endpoints)
     finally:
         control.close(0)

@@ -7,6 +7,9 @@ the shared-memory medium.
 - A sweep that runs while a large segment is being created (its space reserved) never
   removes it: the creator holds the owner lock from the first instant.
 - A process forked from an owner that exits normally leaves the owner's segment alone.
+- (Issue 37, item 5.) Files planted under the names a student's segment would take
+  cannot stop it from starting: its names carry a random part, and a name found taken
+  is given up for another (``tests/unit/pipeline/test_shm.py`` tests that retry).
 
 The planted entries exist only around the sweep that must skip them (other processes
 of this user sweep /dev/shm too), and a FIFO's readers are released before it goes.
@@ -15,6 +18,7 @@ of this user sweep /dev/shm too), and a FIFO's readers are released before it go
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -25,7 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from distill.pipeline import Broker
 from distill.pipeline.mediums.shm import SHM_DIR, SharedMemoryManager, list_segments, sweep_segment
+from tests import peers
 
 SWEEP_IN_A_NEW_PROCESS = """
 import sys, time
@@ -140,3 +146,42 @@ def test_a_forked_child_that_exits_leaves_its_parents_segment() -> None:
     result = subprocess.run([sys.executable, "-c", FORK_AND_EXIT], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["True", "False"], "the child unlinked its parent's live segment"
+
+
+def _squat(names: list[str]) -> list[Path]:
+    """Plant empty files under ``names``, as another local user would (root makes them
+    that user's; otherwise they are ours, and young enough that no sweep takes them)."""
+    paths = []
+    for name in names:
+        path = Path(SHM_DIR) / name
+        path.write_bytes(b"")
+        paths.append(path)
+        with contextlib.suppress(PermissionError):
+            os.chown(path, 65534, 65534)
+    return paths
+
+
+@pytest.mark.timeout(120)
+def test_files_planted_under_a_students_names_do_not_stop_it(procs, endpoints, broker_kwargs) -> None:
+    """The squatter of issue 37 knows the student's pid (here: it waits for it) and plants
+    every name of the ``dst_<run>_<pid>_<n>`` form its segment could take; the student,
+    started in a fresh process, still starts, and takes verified samples from a worker."""
+    spawn = mp.get_context("spawn")
+    pids, results, go = spawn.Queue(), spawn.Queue(), spawn.Event()
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    planted: list[Path] = []
+    try:
+        procs.start(peers.run_worker, endpoints, name="worker")
+        student = procs.start(peers.run_squatted_student, endpoints, pids, go, results, name="student")
+        pid = pids.get(timeout=60)
+        planted = _squat([f"dst_default_{pid}_{n}" for n in range(64)])
+        go.set()
+        (name,) = procs.collect(results, 1, [student], timeout_s=90)
+        procs.join(student, 30)
+        assert name not in {path.name for path in planted}
+        assert all(path.exists() for path in planted), "the squatter's files are not the student's to remove"
+    finally:
+        go.set()
+        for path in planted:
+            path.unlink(missing_ok=True)
+        broker.stop()

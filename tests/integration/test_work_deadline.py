@@ -10,38 +10,16 @@ one log line that says so.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 
 import pytest
 
-from distill.pipeline import Broker, StudentClient, Worker, setup_logging
+from distill.pipeline import Broker, StudentClient, Worker
 from distill.pipeline.broker.config import WORK_TIMEOUT_MIN_BEATS
-from distill.pipeline.worker import SlotTarget
 from tests import peers
 
 pytestmark = pytest.mark.timeout(90)
 HEARTBEAT_S = 0.2
-
-
-def run_hanging_worker(endpoints: dict[str, str], hang_after: int, busy_file: str) -> None:
-    """A worker whose first ``hang_after`` batches are quick and whose next one never returns."""
-    setup_logging("WARNING")
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    batches = [0]
-
-    def batch_fn(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
-        batches[0] += 1
-        if batches[0] > hang_after:
-            with open(busy_file, "w") as f:
-                f.write(str(len(targets)))
-            time.sleep(600)
-        peers.fill_targets(model_id, model_cfg, targets)
-
-    Worker(batch_fn=batch_fn, batch_config=peers.batch_config(), max_batch=2, direct_requests=False,
-           backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-           heartbeat_interval_s=HEARTBEAT_S).run()
 
 
 def test_a_worker_whose_batch_hangs_is_quarantined_at_the_derived_deadline(procs, endpoints, broker_kwargs,
@@ -49,7 +27,7 @@ def test_a_worker_whose_batch_hangs_is_quarantined_at_the_derived_deadline(procs
     busy_file = tmp_path / "hanging"
     caplog.set_level(logging.WARNING, logger="distill.pipeline.broker")
     broker = Broker(**broker_kwargs, heartbeat_interval_s=HEARTBEAT_S).start()
-    procs.start(run_hanging_worker, endpoints, 2, str(busy_file), name="hanging-worker")
+    procs.start(peers.run_hanging_worker, endpoints, 2, str(busy_file), name="hanging-worker")
     good = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
                   direct_requests=False, backend_endpoint=endpoints["backend"],
                   control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=HEARTBEAT_S)

@@ -1,7 +1,8 @@
 """The workers' socket: READY, DONE, HEARTBEAT, BYE, ERROR; and the workers' liveness.
 
-A worker that misses its heartbeats, or whose oldest WORK is past its deadline
-(``deadline.py``: its heartbeat thread beats on while its batch function hangs), may
+A worker that misses its heartbeats, whose oldest WORK is past its deadline, or that
+holds DIRECT work and has finished no batch within its deadline (``deadline.py``: its
+heartbeat thread beats on while its batch function hangs), may
 be frozen rather than dead and resume writing later, so its in-flight slots are never
 handed to another worker: the students are told QUARANTINE (with the worker's process
 token) and re-issue those request ids in other slots; the broker sends RELEASE when
@@ -44,7 +45,7 @@ class Backend:
         if peer is None:
             peer = state.workers.add(identity, body["peer_id"], key, now)
             log.info("worker %s joined (credit %d)", peer.peer_id, body["credit"])
-        peer.last_seen = now
+        peer.last_seen = peer.progress_at = now
         peer.process = body.get("process")
         peer.direct = limits.direct_counts(body.get("direct"))  # the baseline: fills before we knew it
         peer.capacity = peer.credit = limits.worker_credit(state.config, body["credit"])
@@ -58,8 +59,14 @@ class Backend:
             state.send.to_worker(identity, Command.RECONNECT, {})
             return
         check_key(f"worker {peer.peer_id[:64]}", peer.key, key)
-        peer.last_seen = time.monotonic()
-        peer.backlog = min(body.get("backlog") or 0, limits.MAX_DIRECT_PER_REPORT)
+        peer.last_seen = now = time.monotonic()
+        backlog = min(body.get("backlog") or 0, limits.MAX_DIRECT_PER_REPORT)
+        if backlog and not peer.backlog:
+            peer.backlog_since = now
+        peer.backlog = backlog
+        batches = body.get("batches")
+        if batches is not None and batches != peer.batches:
+            peer.batches, peer.progress_at = batches, now
         if body.get("direct"):
             self._count_direct(peer, limits.direct_counts(body["direct"]))
         state.send.to_worker(identity, Command.HEARTBEAT, state.beat_body)
@@ -90,7 +97,8 @@ class Backend:
             peer.credit = min(peer.credit + body["num_items"], peer.capacity)
             return
         state.clock.observe(peer, work, now)
-        peer.last_done_at = now
+        peer.last_done_at = peer.progress_at = now
+        peer.last_model, peer.last_run = work.model_id, work.run_id
         peer.credit = min(peer.credit + (work.num_slots if work.credit is None else work.credit), peer.capacity)
         failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < work.num_slots}
         self.dispatcher.complete_parts(work, failed, frozenset(body.get("notified") or ()))
@@ -117,7 +125,8 @@ class Backend:
 
     # ------------------------------------------------------------------ liveness
     def purge(self, now: float) -> None:
-        """Quarantine workers that missed their heartbeats or are past a WORK's deadline."""
+        """Quarantine workers that missed their heartbeats, are past a WORK's deadline, or
+        hold DIRECT work without finishing a batch within their deadline."""
         config = self.state.config
         silent_since = now - config.heartbeat_interval_s * config.heartbeat_liveness
         for peer in list(self.state.workers.peers.values()):
@@ -131,6 +140,13 @@ class Backend:
                             "deadline of %.1fs (%s): quarantining its %d slot(s) as if it were silent",
                             peer.peer_id, work.work_id, work.num_slots, work.model_id, elapsed, deadline, why,
                             sum(w.num_slots for w in peer.in_flight.values()))
+                self.state.counters.overdue += 1
+                self._give_up(peer)
+            elif (stuck := self.state.clock.stalled(peer, now)) is not None:
+                elapsed, deadline, why = stuck
+                log.warning("worker %s: holds %d direct slot(s) and has finished no batch for %.1fs, past its "
+                            "deadline of %.1fs (%s): quarantining them as if it were silent", peer.peer_id,
+                            peer.backlog, elapsed, deadline, why)
                 self.state.counters.overdue += 1
                 self._give_up(peer)
 

@@ -77,14 +77,16 @@ class BrokerConfig:
     max_retained_cfg_bytes: int = 64 << 20
     """What the ``model_cfg`` of all runs may weigh together (see ``limits.cfg_cost``)."""
     work_timeout_s: float | None = None
-    """How long a worker may take for a WORK before it is quarantined like a silent
-    worker (its heartbeat thread may beat on while its batch function hangs). None:
-    WORK_TIMEOUT_FACTOR x the slowest recent batch of that model, at least
-    WORK_TIMEOUT_MIN_BEATS heartbeats, and ``first_work_timeout_s`` until a batch of
-    that model was measured."""
+    """How long a worker may take for a WORK, or hold DIRECT work without finishing a
+    batch, before it is quarantined like a silent worker (its heartbeat thread may beat
+    on while its batch function hangs). None: WORK_TIMEOUT_FACTOR x the slowest recent
+    batch of that model, at least WORK_TIMEOUT_MIN_BEATS heartbeats; a worker's first
+    batch of a model WORK_TIMEOUT_FACTOR x the slowest first batch measured in its run
+    (and no less); ``first_work_timeout_s`` while nothing of either was measured
+    (``deadline.py``)."""
     first_work_timeout_s: float = 600.0
-    """The derived deadline of a model's first WORKs (nothing measured yet: a teacher's
-    first batch may compile kernels or load weights)."""
+    """The deadline of a first batch while no batch of its run or model has been measured
+    (a teacher's first batch may compile kernels or load weights)."""
     curve: CurveConfig | None = None
     """CurveZMQ keys: every socket a CURVE server admitting only the allowed clients."""
 

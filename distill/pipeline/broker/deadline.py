@@ -1,16 +1,27 @@
-"""How long a WORK may take: measured batch times, and the deadline derived from them.
+"""How long a worker may take: measured batch times, and the deadlines derived from them.
 
 A worker's heartbeats come from a thread of their own, so a worker whose batch
 function hangs (a deadlocked teacher, a wedged GPU) still beats and would hold its
-slots for ever. The broker therefore also times each worker's oldest in-flight WORK:
-from its sending, or from the worker's last DONE if that came later (a worker does its
-WORKs in order, so the next one only starts then). Past the deadline the worker is
-quarantined exactly like one that missed its heartbeats.
+slots for ever. The broker therefore times two things, and past the deadline the
+worker is quarantined exactly like one that missed its heartbeats:
+
+- each worker's oldest in-flight WORK: from its sending, or from the worker's last
+  DONE if that came later (a worker does its WORKs in order, so the next one only
+  starts then) (:meth:`BatchClock.overdue`);
+- the DIRECT work students gave it past the broker, which the broker never sees: a
+  worker's heartbeats say how many batches it has finished (``batches``) and how many
+  DIRECT slots it holds (``backlog``); one that holds DIRECT slots and whose count has
+  not moved for longer than the deadline of its model is stuck in its batch function
+  (:meth:`BatchClock.stalled`).
 
 The deadline is ``work_timeout_s`` when set; otherwise WORK_TIMEOUT_FACTOR times the
 slowest of the last few batches of the WORK's model (a deeper layer takes longer, so
-each model is measured on its own), at least WORK_TIMEOUT_MIN_BEATS heartbeats, and
-``first_work_timeout_s`` while nothing of that model was measured yet.
+each model is measured on its own), at least WORK_TIMEOUT_MIN_BEATS heartbeats. A
+worker's *first* batch of a model may load weights or compile kernels, so it is
+allowed WORK_TIMEOUT_FACTOR times the slowest first batch any worker of the run was
+measured to take (of any model of the run: a layer switch, a worker that joins late),
+and no less than a later batch; ``first_work_timeout_s`` only bounds a first batch
+while nothing of the run or the model was measured yet.
 """
 
 from __future__ import annotations
@@ -21,43 +32,53 @@ from distill.pipeline.broker.config import WORK_TIMEOUT_FACTOR, WORK_TIMEOUT_MIN
 from distill.pipeline.broker.records import Work, WorkerPeer
 
 HISTORY = 32
-"""Batch times remembered per model."""
+"""Batch times remembered per model (and first batches per run)."""
 MAX_MODELS = 256
-"""Models whose batch times are remembered (least recently measured forgotten first)."""
+"""Models (and runs) whose batch times are remembered (least recently measured forgotten first)."""
+
+Deadline = tuple[float, str]
+"""Seconds allowed, and how they were chosen (for the log)."""
 
 
 class BatchClock:
-    """Batch times per model, and the deadline of each worker's oldest WORK."""
+    """Batch times per model and first batches per run, and the deadlines of each worker."""
 
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self._times: OrderedDict[str | None, deque[float]] = OrderedDict()
+        self._firsts: OrderedDict[str, deque[float]] = OrderedDict()
+        """run -> how long workers' first batches of a model took (loading, compiling included)."""
 
     def observe(self, worker: WorkerPeer, work: Work, now: float) -> None:
-        """A DONE for ``work`` came at ``now``: note how long the worker spent on it."""
-        seconds = now - max(work.sent_at, worker.last_done_at)
-        times = self._times.get(work.model_id)
-        if times is None:
-            times = self._times[work.model_id] = deque(maxlen=HISTORY)
-            while len(self._times) > MAX_MODELS:
-                self._times.popitem(last=False)
-        else:
-            self._times.move_to_end(work.model_id)
-        times.append(max(0.0, seconds))
+        """A DONE for ``work`` came at ``now``: note how long the worker spent on it (as a
+        first batch too, when it was the worker's first of its model)."""
+        seconds = max(0.0, now - max(work.sent_at, worker.last_done_at))
+        _remember(self._times, work.model_id, seconds)
+        if work.model_id != worker.last_model:
+            _remember(self._firsts, work.run_id, seconds)
 
-    def deadline_s(self, model_id: str | None) -> tuple[float, str]:
-        """The deadline of a WORK of ``model_id``, and how it was chosen (for the log)."""
+    def deadline_s(self, model_id: str | None, run_id: str | None = None, *, first: bool = False) -> Deadline:
+        """The deadline of a batch of ``model_id`` (of run ``run_id``; ``first``: the
+        worker's first of that model), and how it was chosen."""
         config = self.config
         if config.work_timeout_s is not None:
             return config.work_timeout_s, "work_timeout_s"
-        floor = config.heartbeat_interval_s * WORK_TIMEOUT_MIN_BEATS
         times = self._times.get(model_id)
-        if not times:
-            return max(floor, config.first_work_timeout_s), "first_work_timeout_s: nothing measured yet"
-        slowest = max(times)
+        steady = self._derived(max(times), "its slowest recent batch") if times else None
+        firsts = self._firsts.get(run_id) if first else None
+        if firsts:
+            derived = self._derived(max(firsts), "the slowest first batch measured in its run")
+            return derived if steady is None or derived[0] >= steady[0] else steady
+        if steady is not None:
+            return steady
+        floor = config.heartbeat_interval_s * WORK_TIMEOUT_MIN_BEATS
+        return max(floor, config.first_work_timeout_s), "first_work_timeout_s: nothing measured yet"
+
+    def _derived(self, slowest: float, what: str) -> Deadline:
+        floor = self.config.heartbeat_interval_s * WORK_TIMEOUT_MIN_BEATS
         if WORK_TIMEOUT_FACTOR * slowest <= floor:
-            return floor, f"{WORK_TIMEOUT_MIN_BEATS} heartbeats; its slowest recent batch took {slowest:.3f}s"
-        return WORK_TIMEOUT_FACTOR * slowest, f"{WORK_TIMEOUT_FACTOR:g} x its slowest recent batch"
+            return floor, f"{WORK_TIMEOUT_MIN_BEATS} heartbeats; {what} took {slowest:.3f}s"
+        return WORK_TIMEOUT_FACTOR * slowest, f"{WORK_TIMEOUT_FACTOR:g} x {what}"
 
     def overdue(self, worker: WorkerPeer, now: float) -> tuple[Work, float, float, str] | None:
         """The worker's oldest WORK if it is past its deadline: (work, seconds on it,
@@ -66,5 +87,28 @@ class BatchClock:
         if oldest is None:
             return None
         elapsed = now - max(oldest.sent_at, worker.last_done_at)
-        deadline, why = self.deadline_s(oldest.model_id)
+        deadline, why = self.deadline_s(oldest.model_id, oldest.run_id, first=oldest.model_id != worker.last_model)
         return (oldest, elapsed, deadline, why) if elapsed > deadline else None
+
+    def stalled(self, worker: WorkerPeer, now: float) -> tuple[float, float, str] | None:
+        """(seconds without progress, deadline, why that deadline) when the worker holds
+        DIRECT slots and has finished no batch for longer than its deadline; None
+        otherwise (no DIRECT held, progress made, or a worker that does not report it).
+        WORK in flight is timed by :meth:`overdue`."""
+        if worker.in_flight or worker.backlog <= 0 or worker.batches is None:
+            return None
+        elapsed = now - max(worker.progress_at, worker.backlog_since)
+        deadline, why = self.deadline_s(worker.last_model, worker.last_run)
+        return (elapsed, deadline, why) if elapsed > deadline else None
+
+
+def _remember(table: OrderedDict, key: str | None, seconds: float) -> None:
+    """Add a batch time under ``key``, keeping HISTORY per key and MAX_MODELS keys."""
+    times = table.get(key)
+    if times is None:
+        times = table[key] = deque(maxlen=HISTORY)
+        while len(table) > MAX_MODELS:
+            table.popitem(last=False)
+    else:
+        table.move_to_end(key)
+    times.append(seconds)

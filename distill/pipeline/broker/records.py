@@ -95,6 +95,18 @@ class WorkerPeer:
     last_done_at: float = 0.0
     """When its last DONE came: the clock of its oldest in-flight WORK starts then, or at
     that WORK's sending, whichever is later (a worker does its WORKs in order)."""
+    last_model: str | None = None
+    """Model of its last DONE: a WORK of another model is its first batch of that model
+    (``deadline.py``), and DIRECT work is timed against this one."""
+    last_run: str | None = None
+    """Run of its last DONE."""
+    batches: int | None = None
+    """Batches it says it has finished (its heartbeats; None: it does not say)."""
+    progress_at: float = 0.0
+    """When ``batches`` last moved (or a DONE came): a worker holding DIRECT slots whose
+    count stands still past its deadline is stuck in its batch function."""
+    backlog_since: float = 0.0
+    """When its reported DIRECT ``backlog`` last went from none to some."""
 
 
 @dataclass(slots=True, eq=False)

@@ -52,6 +52,8 @@ class RunState:
     discarded: int = 0
     leader_epoch: int = 0
     leader_id: str | None = None
+    leader_key: bytes | None = None
+    """Hash of the run's leader secret (``control.py``); None: no leader has claimed it here."""
     share_model: bool = False
     """Fan-out opt-in: its slots may get samples computed for other runs of the same model."""
     last_live: float = field(default_factory=time.monotonic)
@@ -123,12 +125,15 @@ class RunTable:
         if run_id is not None:
             self.mark_live(run_id, now)
 
-    def set_leader(self, run: RunState, epoch: int, peer_id: str) -> None:
-        """``peer_id`` (epoch ``epoch``) leads ``run`` now; its heartbeats keep this run
-        alive, and no other (a peer id leads one run: one beat cannot keep many alive)."""
+    def set_leader(self, run: RunState, epoch: int, peer_id: str, leader_key: bytes | None = None) -> None:
+        """``peer_id`` (epoch ``epoch``, holding the secret hashed to ``leader_key``) leads
+        ``run`` now (None: the key it has); its heartbeats keep this run alive, and no other
+        (a peer id leads one run: one beat cannot keep many alive)."""
         if run.leader_id is not None and self.leaders.get(run.leader_id) == run.run_id:
             del self.leaders[run.leader_id]
         run.leader_epoch, run.leader_id = epoch, peer_id
+        if leader_key is not None:
+            run.leader_key = leader_key
         self.leaders[peer_id] = run.run_id
 
     def forget_abandoned(self, now: float, busy: set[str]) -> list[str]:

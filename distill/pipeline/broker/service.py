@@ -169,14 +169,16 @@ class Broker:
 
     def _bind(self, ctx: zmq.Context) -> Sockets:
         socks: list[zmq.Socket] = []
-        for kind, endpoint in ((zmq.ROUTER, self.frontend_endpoint), (zmq.ROUTER, self.backend_endpoint),
-                               (zmq.ROUTER, self.control_endpoint), (zmq.PUB, self.control_pub_endpoint)):
+        for name, kind, endpoint in (("frontend", zmq.ROUTER, self.frontend_endpoint),
+                                     ("backend", zmq.ROUTER, self.backend_endpoint),
+                                     ("control", zmq.ROUTER, self.control_endpoint),
+                                     ("control_pub", zmq.PUB, self.control_pub_endpoint)):
             sock = protocol.configure(ctx.socket(kind), hwm=protocol.BROKER_SNDHWM, rcvhwm=protocol.BROKER_RCVHWM,
                                       max_message_bytes=protocol.BROKER_MAX_MESSAGE_BYTES)
             try:
                 prepare_endpoint(endpoint)
                 if self._keys is not None:
-                    self._keys.apply(sock)
+                    self._keys.apply(sock, name)  # its own ZAP domain: keys are checked per socket
                 sock.bind(endpoint)
             except (zmq.ZMQError, OSError) as exc:
                 for s in socks + [sock]:

@@ -7,8 +7,15 @@ taking the geometry from that header, never from a request.
 
 Ownership and hygiene:
 
-- Segments are named ``dst_<run>_<pid>_<n>`` so a worker can refuse names that are
-  not ours, and are created 0600 (private to the user) with ``O_EXCL``.
+- Segments are named ``dst_<run>_<pid>_<token>`` so a worker can refuse names that are
+  not ours, and are created 0600 (private to the user) with ``O_EXCL``. ``<token>`` is
+  random (40 bits from ``secrets``): another local user cannot squat the names a
+  student will take (files planted under them would fail its ``O_EXCL`` create), and a
+  generated name found taken anyway is given up for another one, up to
+  ``_CREATE_ATTEMPTS`` names (:func:`_create`). ``<run>`` is the run id's first
+  ``RUN_NAME_CHARS`` letters and digits: a name stays within 30 characters
+  (``MAX_NAME_CHARS``; macOS refuses shm names over 31 with the leading ``/``) for any
+  pid up to 7 digits.
 - The creator takes an ``flock`` on the segment the moment it exists and holds it for
   the segment's whole life. The kernel drops it when the owner dies, however it dies,
   so :func:`sweep_orphans` can tell a leftover segment (lock free) from a live one
@@ -26,16 +33,17 @@ Ownership and hygiene:
 - An attached segment keeps its file open, so :meth:`AttachedSegment.current` can tell
   when the name no longer refers to the mapped file (the owner unlinked it, maybe
   while a new owner of the same name created another): a stale mapping is never
-  written.
+  written; and :meth:`AttachedSegment.intact` can tell when the owner shrank the file
+  under the mapping (a write past its new end would be a SIGBUS in the worker).
 """
 
 from __future__ import annotations
 
 import _posixshmem
+import base64
 import contextlib
 import errno
 import fcntl
-import itertools
 import logging
 import mmap
 import os
@@ -61,10 +69,18 @@ log = logging.getLogger(__name__)
 
 SHM_PREFIX = "dst_"
 SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^dst_[A-Za-z0-9]{1,16}_\d{1,10}_\d{1,10}$")
+_NAME_RE = re.compile(r"^dst_[A-Za-z0-9]{1,16}_\d{1,10}_[A-Za-z0-9]{1,16}$")
+"""Our names: the ones made now (:func:`segment_name`), and the ``dst_<run>_<pid>_<n>`` of
+earlier versions (still swept, and still served by workers)."""
+RUN_NAME_CHARS = 8
+NAME_TOKEN_BYTES = 5
+"""Random bytes in a segment's name (8 base32 characters)."""
+MAX_NAME_CHARS = 30
+"""Longer names than this fail on macOS (31 characters at most, the leading ``/``
+included). Ours have at most 29 for pids of up to 7 digits (Linux's largest ``pid_max``;
+macOS's pids have 5)."""
 _OPEN_SAFELY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_ATTEMPTS = 8
-_counter = itertools.count()
 
 
 class ShmSpaceError(ValueError):
@@ -82,8 +98,10 @@ def is_our_name(name: str) -> bool:
 
 
 def segment_name(run_id: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9]", "", run_id)[:16] or "run"
-    return f"{SHM_PREFIX}{safe}_{os.getpid()}_{next(_counter)}"
+    """A new name for a segment of ``run_id``: nobody can tell it in advance (module docstring)."""
+    safe = re.sub(r"[^A-Za-z0-9]", "", run_id)[:RUN_NAME_CHARS] or "run"
+    token = base64.b32encode(secrets.token_bytes(NAME_TOKEN_BYTES)).decode().lower()
+    return f"{SHM_PREFIX}{safe}_{os.getpid()}_{token}"
 
 
 def shm_free_bytes() -> int | None:
@@ -182,14 +200,20 @@ class SharedMemoryManager(MediumBase):
 def _create(name: str | None, run_id: str, size: int) -> tuple[str, int, mmap.mmap]:
     """Create, lock, size and map a new segment; created again (a given name) or under a new
     name (a generated one) if a concurrent sweep removed the file in the instant before it
-    was locked."""
+    was locked. A generated name that is taken already (a file someone planted there) is
+    given up for another generated name; FileExistsError after ``_CREATE_ATTEMPTS`` of them."""
     check_shm_space(size)
+    taken: list[str] = []
     for attempt in range(_CREATE_ATTEMPTS):
         chosen = name or segment_name(run_id)
         try:
             fd = _posixshmem.shm_open("/" + chosen, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         except FileExistsError:
-            if name is None or not _swept_in_time(chosen, attempt):
+            if name is None:
+                taken.append(chosen)
+                log.warning("shared-memory name %s is taken already (not by us): trying another", chosen)
+                continue
+            if not _swept_in_time(chosen, attempt):
                 raise
             continue  # a sweep was removing our last attempt's file under this name
         try:
@@ -209,6 +233,11 @@ def _create(name: str | None, run_id: str, size: int) -> tuple[str, int, mmap.mm
                 os.close(fd)
             _unlink(chosen)
             raise
+    if taken:
+        raise FileExistsError(errno.EEXIST, f"could not create a shared-memory segment: {len(taken)} of the "
+                              f"{_CREATE_ATTEMPTS} random names tried were taken in {SHM_DIR} (e.g. {taken[0]}); "
+                              "someone is planting files named like distill's segments there: see who owns "
+                              f"them with `ls -l {SHM_DIR}/{SHM_PREFIX}*`")
     raise OSError(f"could not create a shared-memory segment in {_CREATE_ATTEMPTS} attempts "
                   "(another process keeps sweeping /dev/shm)")
 
@@ -245,13 +274,22 @@ def _reserve(fd: int, name: str, size: int) -> None:
 
 @dataclass
 class AttachedSegment:
-    """A segment of ours, mapped for writing, with the geometry its owner wrote."""
+    """A segment of ours, mapped for writing, with the geometry its owner wrote.
+
+    Its owner can still shrink the file (``ftruncate``) while it is mapped here, and a
+    write through the mapping past the file's new end kills the writing process with
+    SIGBUS. :meth:`intact` asks the kernel (``fstat``) whether every mapped byte is still
+    in the file; a worker asks before each step that touches the mapping
+    (``worker/segments.py``) and refuses a shrunk segment instead.
+    """
 
     name: str
     mapping: mmap.mmap
     fd: int
     """Kept open: it names the very file that was mapped (see :meth:`current`)."""
     header: SegmentHeader
+    size: int
+    """Bytes mapped: the file's size when it was attached."""
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -267,11 +305,35 @@ class AttachedSegment:
         except OSError:
             return False
 
+    def file_size(self) -> int:
+        """The file's size now (-1 once closed)."""
+        try:
+            return os.fstat(self.fd).st_size
+        except OSError:
+            return -1
+
+    def intact(self) -> bool:
+        """Whether the file still holds every mapped byte (False once its owner shrank it:
+        touching the mapping past the new end would raise SIGBUS here)."""
+        return self.file_size() >= self.size
+
+    def restore_size(self) -> None:
+        """Grow a shrunk file back to the mapped size (best effort), so that a write already
+        under way through the mapping lands in the file instead of faulting."""
+        with contextlib.suppress(OSError):
+            if 0 <= self.file_size() < self.size:
+                os.ftruncate(self.fd, self.size)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(self.fd, 0, self.size)
+
     def close(self) -> None:
+        """Unmap (once no view of it is left) and close the file (idempotent)."""
         with contextlib.suppress(BufferError):  # a view is still alive: it keeps the map
             self.mapping.close()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1  # the number may name another file from now on: never close it again
 
 
 def attach_segment(name: str) -> AttachedSegment:
@@ -287,15 +349,26 @@ def attach_segment(name: str) -> AttachedSegment:
         if st.st_size < SEGMENT_HEADER_BYTES:
             raise ValueError(f"segment {name!r} has {st.st_size} bytes: no segment header")
         mapping = mmap.mmap(fd, st.st_size)
-        try:
-            header = read_segment_header(memoryview(mapping))
-        except ValueError as exc:
+        header, problem = _read_header(mapping, fd)
+        if header is None:
             mapping.close()
-            raise ValueError(f"segment {name!r}: {exc}") from None
+            raise ValueError(f"segment {name!r}: {problem}")
     except BaseException:
         os.close(fd)
         raise
-    return AttachedSegment(name, mapping, fd, header)
+    return AttachedSegment(name, mapping, fd, header, st.st_size)
+
+
+def _read_header(mapping: mmap.mmap, fd: int) -> tuple[SegmentHeader | None, str]:
+    """The segment header at the end of ``mapping``, or None and why not. No view of the
+    mapping outlives this call (a traceback kept alive would keep one, and the mapping
+    could then not be closed)."""
+    if os.fstat(fd).st_size < len(mapping):  # shrunk under us: its header may be past the end
+        return None, "it shrank while it was being mapped"
+    try:
+        return read_segment_header(memoryview(mapping)), ""
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def _release(mapping: mmap.mmap, fd: int, name: str, creator_pid: int | None) -> None:

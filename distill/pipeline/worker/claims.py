@@ -65,8 +65,9 @@ def still_claimed(segment: Segment, slot_idxs: Sequence[int], request_ids: Seque
 
 
 def give_up(segment: Segment, slot_idxs: Sequence[int], writer: int) -> None:
-    """Drop this writer's claims on the slots (a batch it could not fill)."""
-    if segment.table is None:
+    """Drop this writer's claims on the slots (a batch it could not fill); not in a segment
+    that was dropped or shrank (``segments.py``): its claims go with it."""
+    if segment.table is None or not segment.attached.intact():
         return
     claims, _ = segment.table.claims(slot_idxs)
     mine = [slot for slot, held_by in zip(slot_idxs, claims, strict=True) if held_by == writer]

@@ -7,7 +7,8 @@ still stand (``claims.py``); a slot whose claim was lost is reported ``"stale"``
 every claim of the run is settled (committed or given up). A staged run (network
 medium) gets whole headers, claim and fill included (nobody else can write those
 buffers), and goes out in one DATA message. A sample that did not fit its slot, or
-whose size is not the one the student's segment declares, fails its slot.
+whose size is not the one the student's segment declares, fails its slot; so does
+every slot of a segment whose owner shrank it (``segments.py``): nothing is written there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from distill.pipeline.mediums.tcp import TcpSender
 from distill.pipeline.slot import SlotHeader, payload_checksum, write_claim, write_header
 from distill.pipeline.worker import claims
 from distill.pipeline.worker.fill import Failures, Run
+from distill.pipeline.worker.segments import Segments
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +27,9 @@ log = logging.getLogger(__name__)
 class Committer:
     """Writes the headers of filled runs (see module docstring)."""
 
-    def __init__(self, writer: int, checksum: bool, sender: TcpSender, peer_id: str) -> None:
+    def __init__(self, writer: int, checksum: bool, sender: TcpSender, peer_id: str, segments: Segments) -> None:
         self.writer = writer
+        self.segments = segments
         self.checksum = checksum
         self.sender = sender
         self.peer_id = peer_id
@@ -79,8 +82,9 @@ class Committer:
 
     def _write(self, run: Run, lengths: list[int], failed: Failures) -> None:
         segment, targets = run.segment, run.targets
-        if segment.table is None:  # unmapped meanwhile (its owner is gone)
-            failed.setdefault(run.work_id, {}).update(dict.fromkeys(run.idxs, "segment unmapped"))
+        why = self.segments.check_size(segment)  # unmapped meanwhile (its owner is gone), or shrunk
+        if why is not None:
+            failed.setdefault(run.work_id, {}).update(dict.fromkeys(run.idxs, why[:200]))
             return
         reqs = [target.request_id for target in targets]
         standing = claims.still_claimed(segment, run.slot_idxs, reqs, self.writer)

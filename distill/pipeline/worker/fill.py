@@ -170,6 +170,18 @@ class Filler:
                                _label(medium), exc)
         failed.setdefault(work_id, {})[idx] = f"bad address: {exc}"[:200]
 
+    def refuse_shrunk(self, runs: list[Run], failed: Failures) -> None:
+        """Take out of the batch the runs whose segment shrank since it was mapped (their
+        items fail with the reason, ``Segments.check_size``): nothing more is written there."""
+        for run in runs:
+            if run.segment is None or not run.targets:
+                continue
+            why = self.segments.check_size(run.segment)
+            if why is not None:
+                failed.setdefault(run.work_id, {}).update(dict.fromkeys(run.idxs, why[:200]))
+                claims.settle(run.segment, len(run.targets))
+                run.keep([])
+
     # ------------------------------------------------------------------ samples
     def generate(self, model_id: str, model_cfg: dict | None,
                  targets: list[SlotTarget]) -> tuple[list[int], object]:

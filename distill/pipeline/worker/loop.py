@@ -44,7 +44,7 @@ from distill.pipeline import protocol, sizing
 from distill.pipeline.auth import secure_client
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
-from distill.pipeline.liveness import Heartbeater, new_writer_id, process_token
+from distill.pipeline.liveness import FillProgress, Heartbeater, new_writer_id, process_token
 from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium
 from distill.pipeline.notices import NoticeOutbox, RequestLane
 from distill.pipeline.protocol import Command, Message, ProtocolError
@@ -108,7 +108,7 @@ class Worker:
         self._segments = Segments(self.slot_size, decode)
         self._filler = Filler(cfg, generator_fn, batch_fn, self._segments, self._sender, self.writer_id,
                               self.peer_id)
-        self._committer = Committer(self.writer_id, cfg.checksum, self._sender, self.peer_id)
+        self._committer = Committer(self.writer_id, cfg.checksum, self._sender, self.peer_id, self._segments)
         self._outbox: NoticeOutbox | None = None
         self._lane: DirectLane | None = None
         self._models: dict[str, Model] = {}
@@ -118,6 +118,8 @@ class Worker:
         self._heart: Heartbeater | None = None
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], Failures, Deferred] | None = None
+        self._progress = FillProgress()
+        """Batches finished, told with every heartbeat (a hung batch function stops it)."""
 
     def _chosen_batch(self) -> int:
         """``max_batch`` left out: a byte budget of samples per call (``sizing.py``)."""
@@ -167,7 +169,7 @@ class Worker:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.control_pub_endpoint)
         heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=cfg.heartbeat_interval_s,
-                            liveness=cfg.heartbeat_liveness, keys=self._keys, extra=self._direct_report).start()
+                            liveness=cfg.heartbeat_liveness, keys=self._keys, extra=self._beat_report).start()
         self._heart = heart
         self._outbox = NoticeOutbox(cfg.notice_dir) if cfg.notify_students else None
         if self._outbox is not None:
@@ -249,6 +251,10 @@ class Worker:
 
     def _direct_report(self) -> dict:
         return {} if self._lane is None else self._lane.report()
+
+    def _beat_report(self) -> dict:
+        """What every heartbeat carries: the DIRECT fills and the batches finished."""
+        return {**self._direct_report(), **self._progress.report()}
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         forgotten = heart.forgotten.is_set()
@@ -395,10 +401,13 @@ class Worker:
     def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
                   runs: list[Run], failed: Failures) -> Deferred | None:
         """Fill the targets and commit them, or return the commit when copies are in flight."""
+        self._filler.refuse_shrunk(runs, failed)  # (the sample function writes into the rest)
+        targets = [target for run in runs for target in run.targets]
         if not targets:
             return None
         try:
-            lengths, finish = self._filler.generate(model_id, model_cfg, targets)
+            with self._progress.batch():
+                lengths, finish = self._filler.generate(model_id, model_cfg, targets)
         except Exception as exc:  # a generator bug must not kill the worker
             log.exception("worker %s: generator failed for model %s", self.peer_id, model_id)
             self._committer.give_up(runs)
@@ -411,14 +420,23 @@ class Worker:
 
     def _finish_and_commit(self, finish: Callable[[], None], model_id: str, runs: list[Run],
                            lengths: list[int], failed: Failures) -> None:
+        self._check_sizes(runs)  # a segment shrunk meanwhile: grown back for these copies, then refused
         try:
-            finish()
+            with self._progress.batch():
+                finish()
         except Exception as exc:  # a failed copy fails its slots, not the worker
             log.exception("worker %s: finishing a batch of model %s failed", self.peer_id, model_id)
             self._committer.give_up(runs)
             fail_runs(runs, failed, f"generator failed: {exc!r}")
             return
         self._committer.commit_runs(runs, lengths, failed)
+
+    def _check_sizes(self, runs: list[Run]) -> None:
+        """Before copies land in the runs' slots: a segment that shrank since it was mapped is
+        grown back (so they cannot fault) and dropped (its slots fail at commit)."""
+        for run in runs:
+            if run.segment is not None:
+                self._segments.check_size(run.segment)
 
     def _send_done(self, sock: zmq.Socket, group: list[Message], failed: Failures) -> None:
         for work in group:
@@ -488,6 +506,7 @@ class Worker:
             return {work_id: dict.fromkeys(range(len(body["items"])), exc.reason[:200])}
         failed: Failures = {}
         runs, live = self._shared_targets(body, failed)
+        self._filler.refuse_shrunk(runs, failed)  # (the sample function writes into the rest)
         where = {idx: target for run in runs for idx, target in zip(run.idxs, run.targets, strict=True)}
         needed = sorted({sources.get(idx, idx) for run in live for idx in run.idxs} & where.keys())
         try:
@@ -499,6 +518,7 @@ class Worker:
                 failed.setdefault(work_id, {}).update(dict.fromkeys(run.idxs, f"generator failed: {exc!r}"[:200]))
             return failed
         made = dict(zip(needed, lengths, strict=True))
+        self._check_sizes(runs)  # sources are copied out of these segments, copies into them
         live_runs = {id(run) for run in live}
         for run in runs:
             if id(run) in live_runs:
@@ -529,9 +549,10 @@ class Worker:
         """Generate into ``targets``; the payload length of each (-1: did not fit)."""
         if not targets:
             return []
-        lengths, finish = self._filler.generate(model_id, model_cfg, targets)
-        if callable(finish):  # copies in flight: the copies below read these payloads
-            finish()
+        with self._progress.batch():
+            lengths, finish = self._filler.generate(model_id, model_cfg, targets)
+            if callable(finish):  # copies in flight: the copies below read these payloads
+                finish()
         return lengths
 
     def _commit_copies(self, run: Run, sources: dict[int, int], where: dict[int, SlotTarget],

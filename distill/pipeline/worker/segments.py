@@ -8,6 +8,26 @@ asks the kernel whether the mapped file is still the one the name refers to
 (``AttachedSegment.current``): a segment whose owner unlinked it, and whose name a new
 owner may have taken since, is mapped again, never written through the stale map.
 
+A student can also shrink its own segment (``ftruncate``) under the mapping; touching
+a mapped page past the file's new end raises SIGBUS, which would end the worker and
+every run it serves. So before each step that touches a segment (its claims, the
+sample function, a deferred batch's ``finish``, the commit; see ``fill.py``,
+``commit.py``, ``loop.py``) the worker asks the kernel for the file's size
+(:meth:`Segments.check_size`, one ``fstat`` on the descriptor it keeps open). A
+segment found shrunk is refused: its items fail with the reason (DONE tells the
+broker, which tells the student), and it is dropped, never written through that
+mapping again (a later request maps the file anew, checked like any other).
+
+What the check leaves open: a shrink in the instant between a check and the write
+that follows it, or while the sample function runs, still faults. Python cannot
+survive a SIGBUS (a handler runs only after the faulting instruction, which faults
+again), and the only race-free way, writing through the descriptor (``pwrite`` cannot
+fault: past the end it grows the file) from private memory, costs a copy of every
+sample, the copy this medium exists to avoid. What is cheap is done: a segment found
+shrunk is grown back to its mapped size before it is dropped
+(``AttachedSegment.restore_size``), so copies already in flight into it (a
+``batch_fn``'s ``finish``) land in the file instead of faulting.
+
 Each slot's payload view and decoded tensors are made once, the first time the slot
 is filled, and serve every later fill of that slot. The worker's claims on a segment
 (``claims.py``) are counted here, against the segment's ``max_claims``.
@@ -16,6 +36,7 @@ is filled, and serve every later fill of that slot. The worker's claims on a seg
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -27,6 +48,9 @@ import torch
 from distill.pipeline.mediums.shm import SHM_DIR, AttachedSegment, attach_segment
 from distill.pipeline.mediums.tcp import is_tcp_medium, parse_medium
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, read_max_claims
+from distill.pipeline.throttle import LogThrottle
+
+log = logging.getLogger(__name__)
 
 MAX_ATTACHED_SEGMENTS = 256
 SEGMENT_RECHECK_S = 5.0
@@ -49,6 +73,10 @@ class Segment:
     """slot_idx -> the slot's payload view and decoded tensors."""
     claimed: int = 0
     """Slots this worker has claimed here and not yet committed or given up."""
+    medium: str = ""
+    """The medium name it is mapped under (the key of ``Segments``)."""
+    dropped: str | None = None
+    """Why it was dropped (no longer written), once it was."""
 
     @property
     def stride(self) -> int:
@@ -77,6 +105,7 @@ class Segments:
         self._decode = decode
         self._segments: OrderedDict[str, Segment] = OrderedDict()
         self._checked = time.monotonic()
+        self._shrinks = LogThrottle(log)
 
     def __contains__(self, medium: str) -> bool:
         return medium in self._segments
@@ -90,6 +119,8 @@ class Segments:
         if segment is not None and not segment.attached.current():
             self.forget(medium)  # its owner unlinked it: the name may be a new owner's by now
             segment = None
+        if segment is not None and (why := self.check_size(segment)) is not None:
+            raise ShrunkSegmentError(why)  # (its claims are read and written next)
         if segment is None:
             segment = self._attach(medium)
             while len(self._segments) > MAX_ATTACHED_SEGMENTS:
@@ -120,7 +151,7 @@ class Segments:
             raise ValueError(f"the segment's {header.stride}-byte slots cannot hold the header and a "
                              f"{self.slot_size}-byte sample")
         view = whole[:header.slots_bytes]
-        segment = Segment(attached, view, HeaderTable(view[:], header.stride), whole)
+        segment = Segment(attached, view, HeaderTable(view[:], header.stride), whole, medium=medium)
         self._segments[medium] = segment
         return segment
 
@@ -137,6 +168,23 @@ class Segments:
         payload = segment.view[start:start + self.slot_size]
         views = segment.slots[slot_idx] = payload, None if self._decode is None else self._decode(payload)
         return views
+
+    def check_size(self, segment: Segment) -> str | None:
+        """None while every mapped byte of ``segment`` is still in its file (or it was already
+        dropped); else why nothing more may be written into it. A shrunk segment is grown
+        back for writes under way, then dropped (module docstring)."""
+        if segment.dropped is not None:
+            return segment.dropped  # its views are not to be written any more
+        size = segment.attached.file_size()
+        if size >= segment.attached.size:
+            return None
+        segment.dropped = (f"segment shrank to {size} of its {segment.attached.size} bytes while mapped "
+                           "(its owner truncated it): not written")
+        self._shrinks.warning("worker: %s: %s", segment.attached.name, segment.dropped)
+        segment.attached.restore_size()
+        if self._segments.get(segment.medium) is segment:
+            self.forget(segment.medium)
+        return segment.dropped
 
     def reset_claims(self) -> bool:
         """Outside a batch this worker claims nothing: zero every count; True if one was not."""
@@ -155,6 +203,7 @@ class Segments:
 
     def forget(self, medium: str) -> None:
         segment = self._segments.pop(medium)
+        segment.dropped = segment.dropped or "segment unmapped"
         segment.slots.clear()
         segment.table = None
         for view in (segment.view, segment.whole):
@@ -165,6 +214,10 @@ class Segments:
     def close(self) -> None:
         for medium in list(self._segments):
             self.forget(medium)
+
+
+class ShrunkSegmentError(ValueError):
+    """A mapped segment's file is smaller than the mapping: refused, never written."""
 
 
 def segment_name(medium: str) -> str:

@@ -187,3 +187,37 @@ def test_the_supervisor_starts_without_transformers_or_matplotlib() -> None:
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'matplotlib', 'tokenizers'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_the_supervisor_stops_the_workers_of_a_led_run_with_the_jobs_secret(procs, tmp_path: Path) -> None:
+    """The run's leader (built from the composed config, as mode=student builds it) and the
+    supervisor read one secret from the job's socket directory: the supervisor's STOP
+    reaches the worker, where a STOP without it is refused; a restarted leader of the same
+    job leads the run again at once."""
+    socket_dir = tmp_path / "sock"
+    secret = local.run_secret(socket_dir, "ledrun")
+    cfg = _compose(["mode=student", "run_id=ledrun", f"pipeline.socket_dir={socket_dir}",
+                    "pipeline.heartbeat_interval_s=0.2"])
+    endpoints = {name: local.default_endpoint(name, socket_dir) for name in ("frontend", "backend", "control",
+                                                                             "control_pub")}
+    procs.start(peers.run_broker, endpoints, name="broker")
+    worker = procs.start(peers.run_worker, endpoints, name="worker")
+    leader = control_client(cfg, 0, peers.batch_config())
+    try:
+        assert leader.leader_secret == secret
+        leader.hello()
+        generation = leader.set_model("m")
+    finally:
+        leader.close()
+    restarted = control_client(cfg, 0, peers.batch_config())
+    try:
+        assert restarted.set_model("m2") == generation + 1  # not refused as a stranger
+    finally:
+        restarted.close()
+    local._publish_stop(endpoints["control"])  # no secret: refused, the worker serves on
+    worker.join(2)
+    assert worker.is_alive()
+    local._publish_stop(endpoints["control"], secret=secret)
+    worker.join(30)
+    assert worker.exitcode == 0

@@ -331,6 +331,38 @@ def test_the_deadline_of_a_work_follows_its_model_s_measured_batches() -> None:
     assert BatchClock(dataclasses.replace(config, work_timeout_s=2.0)).deadline_s("m") == (2.0, "work_timeout_s")
 
 
+def test_a_first_batch_is_allowed_ten_times_the_slowest_first_batch_of_its_run() -> None:
+    """A layer switch (a model nothing was measured for) or a worker that joins late: not
+    ``first_work_timeout_s`` once a first batch of the run was measured."""
+    clock = BatchClock(BrokerConfig(heartbeat_interval_s=0.1, first_work_timeout_s=600.0))
+    assert clock.deadline_s("layer_1", "r", first=True)[0] == 600.0  # nothing measured yet
+    first = Work(1, b"w", "r", 1, [], 4, model_id="layer_0", sent_at=10.0)
+    clock.observe(_worker([first]), first, now=10.5)  # its first batch: 0.5 s, loading included
+    steady = Work(2, b"w", "r", 1, [], 4, model_id="layer_0", sent_at=11.0)
+    peer = _worker([steady])
+    peer.last_model = "layer_0"
+    clock.observe(peer, steady, now=11.01)
+    assert clock.deadline_s("layer_1", "r", first=True) == (5.0, "10 x the slowest first batch measured in its run")
+    assert clock.deadline_s("layer_1", "other", first=True)[0] == 600.0  # another run: nothing measured
+    assert clock.deadline_s("layer_1", "r")[0] == 600.0  # not a first batch (and never measured)
+    assert clock.overdue(_worker([Work(3, b"w", "r", 1, [], 1, model_id="layer_1", sent_at=0.0)]), now=5.5)
+
+
+def test_a_worker_holding_direct_work_whose_batches_stand_still_is_stalled() -> None:
+    clock = BatchClock(BrokerConfig(work_timeout_s=1.0))
+    peer = _worker([])
+    peer.backlog, peer.backlog_since = 2, 50.0
+    assert clock.stalled(peer, now=99.0) is None  # says nothing of its batches (an older worker)
+    peer.batches, peer.progress_at = 3, 10.0
+    assert clock.stalled(peer, now=50.5) is None  # holds DIRECT work since 50.0 only
+    stalled = clock.stalled(peer, now=51.5)
+    assert stalled is not None and stalled[0] == pytest.approx(1.5)
+    peer.progress_at = 51.0  # a batch finished
+    assert clock.stalled(peer, now=51.5) is None
+    peer.backlog = 0
+    assert clock.stalled(peer, now=99.0) is None  # holds nothing
+
+
 def test_a_worker_s_oldest_work_is_timed_from_its_sending_or_its_last_done() -> None:
     clock = BatchClock(BrokerConfig(work_timeout_s=1.0))
     first, second = (Work(i, b"w", "r", 1, [], 1, model_id="m", sent_at=0.0) for i in (1, 2))

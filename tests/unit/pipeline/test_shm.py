@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from distill.pipeline.mediums import shm as shm_module
 from distill.pipeline.mediums.shm import (
+    MAX_NAME_CHARS,
+    SHM_DIR,
     SharedMemoryManager,
     ShmSpaceError,
     check_shm_space,
     is_our_name,
     list_segments,
+    segment_name,
     sweep_orphans,
 )
 
@@ -105,3 +112,44 @@ def test_ctrl_c_unlinks_the_owners_segment() -> None:
     _, stderr = proc.communicate(timeout=30)
     assert "KeyboardInterrupt" in stderr
     assert name not in list_segments()
+
+
+def test_segment_names_cannot_be_told_in_advance_and_fit_macos() -> None:
+    """Issue 37, item 5: a name carries 40 random bits; with the longest run id and a
+    7-digit pid it is still within macOS's 31 characters (leading ``/`` included)."""
+    names = {segment_name("r" * 16) for _ in range(100)}
+    assert len(names) == 100
+    assert all(is_our_name(name) and name.startswith(f"dst_{'r' * 8}_{os.getpid()}_") for name in names)
+    longest = max(len(name) - len(str(os.getpid())) + 7 for name in names)
+    assert longest <= MAX_NAME_CHARS <= 30
+    assert is_our_name("dst_default_1234_0")  # an earlier version's name: still swept, still served
+
+
+@contextlib.contextmanager
+def _planted(name: str) -> Iterator[Path]:
+    """An empty file under ``name``, as a squatter plants it (another user's, as root)."""
+    path = Path(SHM_DIR) / name
+    path.write_bytes(b"")
+    with contextlib.suppress(PermissionError):
+        os.chown(path, 65534, 65534)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_generated_name_found_taken_is_given_up_for_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    squatted = segment_name("squat")
+    fresh = iter([squatted])
+    monkeypatch.setattr(shm_module, "segment_name", lambda run_id: next(fresh, None) or segment_name(run_id))
+    with _planted(squatted) as path, SharedMemoryManager(2, 64, run_id="squat") as owner:
+        assert owner.buf_name != squatted and is_our_name(owner.buf_name)
+        assert path.exists() and path.stat().st_size == 0, "the squatter's file is not ours to touch"
+        owner.slot_view(1)[:3] = b"abc"
+
+
+def test_a_creator_stops_with_a_clear_error_when_every_name_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    squatted = segment_name("squat")
+    monkeypatch.setattr(shm_module, "segment_name", lambda run_id: squatted)
+    with _planted(squatted), pytest.raises(FileExistsError, match="random names tried were taken"):
+        SharedMemoryManager(2, 64, run_id="squat")

@@ -6,6 +6,7 @@ claim, the owner's fair share, a commit over a lost claim."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import torch
 
 from distill.pipeline import Worker, WorkerConfig
 from distill.pipeline.liveness import new_writer_id, writer_alive
-from distill.pipeline.mediums.shm import SharedMemoryManager
+from distill.pipeline.mediums.shm import SHM_DIR, SharedMemoryManager
 from distill.pipeline.mediums.tcp import TcpSender
 from distill.pipeline.sizing import worker_batch
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, check_slot, slot_stride
@@ -122,12 +123,37 @@ def test_a_commit_is_written_only_over_a_standing_claim(segment) -> None:
               [SlotTarget(5, 3, segments.slot(mapped, 0, STRIDE)[0], None),
                SlotTarget(6, 3, segments.slot(mapped, 1, STRIDE)[0], None)])
     failed: dict = {}
-    committer = Committer(me, False, TcpSender(), "test")
+    committer = Committer(me, False, TcpSender(), "test", segments)
     committer.commit(run, [PAYLOAD, PAYLOAD], failed)
     assert failed == {1: {1: claims.STALE}}
     assert check_slot(owner.slot_view(0), 3, 5, PAYLOAD) is None
     assert table.header(1) is None  # nothing committed over the new fill
     assert mapped.claimed == 0
+
+
+def test_a_segment_its_owner_shrank_is_refused_grown_back_and_never_written_again(segment) -> None:
+    """Issue 37, item 6, in one process: what the worker asks before it touches a segment
+    (the worker process surviving it: ``tests/integration/test_shrunk_segment.py``)."""
+    owner, segments, mapped = segment
+    me = new_writer_id()
+    HeaderTable(owner.buf, STRIDE).ask([0, 3], [5, 6])
+    claims.claim(mapped, [0, 3], [5, 6], me, limit=None)
+    assert segments.check_size(mapped) is None
+    path = os.path.join(SHM_DIR, owner.buf_name)
+    size = os.stat(path).st_size
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 100)  # nothing here touches the slots again until it is grown back
+    finally:
+        os.close(fd)
+    claims.give_up(mapped, [0, 3], me)  # writes nothing into a shrunk segment (no SIGBUS)
+    why = segments.check_size(mapped)
+    assert why is not None and f"shrank to 100 of its {size} bytes" in why
+    assert owner.buf_name not in segments and mapped.table is None  # dropped
+    assert os.stat(path).st_size == size  # grown back, for copies already in flight
+    assert segments.check_size(mapped) == why  # and still never written through this mapping
+    with pytest.raises(ValueError, match="no segment header"):  # mapped anew: checked like any other
+        segments.fresh(owner.buf_name)
 
 
 def test_segments_refuse_other_sample_sizes_and_foreign_geometry(segment) -> None:
@@ -170,7 +196,7 @@ def _fill_once(owner: SharedMemoryManager, segments: Segments, config: WorkerCon
     assert filler.add_targets(body, 3, runs, failed, range(4)) == []
     lengths, finish = filler.generate("m", None, [t for run in runs for t in run.targets])
     assert finish is None
-    Committer(me, False, TcpSender(), "test").commit_runs(runs, lengths, failed)
+    Committer(me, False, TcpSender(), "test", segments).commit_runs(runs, lengths, failed)
     return failed.get(1, {})
 
 
