@@ -128,9 +128,13 @@ class TinyConfig:
     """``llama`` (causal-LM pre-trained briefly on the offline corpus) or ``bert`` (masked-LM
     pre-trained on it); either is built once and cached (distill.model.tiny)."""
     hidden_size: int = 128
+    """Hidden width of the tiny teacher."""
     num_layers: int = 4
+    """Its transformer layers."""
     num_heads: int = 4
+    """Its attention heads."""
     vocab_size: int = 1024
+    """Vocabulary size of its tokenizer."""
     train_steps: int | None = None
     """Pre-training steps of the tiny teacher; null = the built-in default budget of its family."""
 
@@ -150,6 +154,7 @@ class TeacherConfig:
     dtype: Dtype = Dtype.float32
     """Teacher weights and streamed targets: float32, bfloat16 or float16."""
     tiny: TinyConfig = field(default_factory=TinyConfig)
+    """Size of the offline demo teacher (used when ``name_or_path`` and ``gguf_package`` are null)."""
     cache_dir: str | None = None
     """Where the tiny teachers and the converted GGUF teachers are cached; null = $DISTILL_CACHE or
     ~/.cache/distill."""
@@ -168,14 +173,26 @@ class DataConfig:
     path: str | None = None
     """For source=text: a glob such as '/corpus/*.txt'."""
     dataset_name: str | None = None
+    """For source=hf_dataset: a hub name, a builder such as "json" (with ``path`` as its data
+    files) or a directory written by ``Dataset.save_to_disk``."""
     dataset_config: str | None = None
+    """For source=hf_dataset: the dataset's configuration name; null = its default."""
     split: str = "train"
+    """For source=hf_dataset: the split to read."""
     text_field: str = "text"
+    """For source=hf_dataset: the column holding the text."""
     max_documents: int | None = None
+    """Keep at most this many documents (the first ones read); null = all."""
     seq_len: int = 128
+    """Tokens per chunk: every training sample and held-out chunk is this long (a tiny teacher
+    is pre-trained at this length, so changing it builds another one)."""
     heldout_fraction: float = 0.1
+    """Fraction of the documents held out for validation and evaluation, in [0, 1); the split is by
+    document, fixed by ``seed``, identical across runs."""
     max_heldout_chunks: int = 32
+    """Most held-out chunks tokenized (validation and evaluation cost grows with it)."""
     seed: int = 0
+    """Seeds the held-out split and, with ``student.seed``, the order of the training samples."""
 
 
 @dataclass
@@ -189,7 +206,9 @@ class PipelineConfig:
     worker_max_batch: int = 8
     """Most samples a teacher worker runs in one forward."""
     heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats of the broker and its peers."""
     heartbeat_liveness: int = 3
+    """Heartbeats missed in a row before a peer counts as gone."""
     broker_wait_s: float = 600.0
     """Students: the longest a call to the broker (HELLO, SET_MODEL, STOP) waits for its answer
     while the broker shows signs of life (its process runs, under mode=local; it answers
@@ -279,11 +298,15 @@ class E2EConfig:
     """Weight of an extra NMSE term between the student's and teacher's final hidden state (causal
     LMs; 1.0 beat 0 on the offline default, docs/quality.md)."""
     lr: float = 3e-3
+    """Peak AdamW learning rate of the end-to-end stage (cosine schedule after warmup)."""
     warmup_steps: int = 5
+    """Linear warmup steps of the end-to-end stage."""
     micro_batch_size: int | None = None
     """null = student.micro_batch_size."""
     lora_rank: int = 8
+    """Rank of the low-rank adapters (``trainable=lora``)."""
     lora_alpha: float = 16.0
+    """Scale of the low-rank adapters: their output is multiplied by lora_alpha / lora_rank."""
     loss_chunk_tokens: int = 1024
     """Tokens whose logits exist at once in the KL (forward, and again in backward, where they
     are recomputed): memory chunk x vocabulary floats instead of batch x seq_len x vocabulary."""
@@ -318,6 +341,7 @@ class StudentConfig:
     layers: list[int] | None = None
     """Teacher layers to replace; null = all. With an automatic hybrid (``hybrid``), the candidates."""
     layers_per_stage: int = 1
+    """Layers trained together in one stage, from one teacher pass (``schedule=sequential``)."""
     schedule: Schedule = Schedule.sequential
     """``sequential``: stages of ``layers_per_stage`` layers one after another; stage l makes
     the workers run the teacher's layers 0..l for every sample, so converting L layers costs
@@ -327,19 +351,29 @@ class StudentConfig:
     trained against the teacher's own layer on that input (1 teacher pass per training
     token whatever the depth; ``layers_per_stage`` is then ignored)."""
     steps_per_stage: int = 400
+    """Optimizer steps per layer stage."""
     micro_batch_size: int = 8
+    """Samples per rank in one forward (also the batch of validation and evaluation)."""
     grad_accum_steps: int = 1
+    """Micro-batches whose gradients are summed into one optimizer step."""
     lr: float = 3e-3
+    """Peak AdamW learning rate of a layer stage (cosine schedule after warmup)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 5
+    """Linear warmup steps at the start of each stage."""
     min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr x min_lr_ratio."""
     grad_clip: float = 1.0
+    """Clip each replacement's gradient norm to this."""
     loss: Loss = Loss.nmse
     """nmse = MSE(s, t) / MSE(t, 0) in fp32; cosine = 1 - cos(s, t)."""
     val_every_steps: int = 50
     """Validate every N steps (0 = only at the end of each stage); each stage keeps the weights of
     its best validation (distill.train.validation)."""
     checkpoint_every_steps: int = 20
+    """Save a stage's training state every N steps, so a rerun resumes there (0 = only finished
+    stages are saved)."""
     loader_workers: int = 0
     """DataLoader worker processes per rank reading slots (0 = in the training process).
     0 by default: gathering a batch is one copy per tensor, cheaper than handing the
@@ -351,7 +385,9 @@ class StudentConfig:
     (waiting for the broker and copying out of the slots while the step computes);
     0 gathers each batch between steps."""
     log_every_steps: int = 5
+    """Log the loss (console and metrics.jsonl) every N steps."""
     seed: int = 0
+    """Seeds the replacements' initialisation and, with ``data.seed``, the order of the training samples."""
     inputs: Inputs = Inputs.student
     """What each replacement is fed while it trains: ``teacher`` (the teacher's own input of
     its layer), ``student`` (closed loop: the output of the already-trained replacements
@@ -378,6 +414,7 @@ class LocalConfig:
     num_students: int = 1
     """DDP student ranks started by mode=local (torchrun --nproc_per_node)."""
     startup_timeout_s: float = 600.0
+    """Not read at present: students wait for the broker up to ``pipeline.broker_wait_s``."""
 
 
 @dataclass
@@ -397,7 +434,9 @@ class LmEvalConfig:
     limit: float | None = None
     """At most this many documents per task (a fraction below 1); null = all."""
     batch_size: int = 8
+    """Batch size of the harness's model."""
     device: str = "cpu"
+    """Torch device both models run on (cpu, cuda, cuda:1, ...)."""
     output_dir: str | None = None
     """Where eval.md / eval.json go; null = the Hydra run directory."""
 
@@ -405,22 +444,36 @@ class LmEvalConfig:
 @dataclass
 class Config:
     mode: Mode = MISSING
+    """What this process does (the ``mode`` group)."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The model distilled (the ``teacher`` group)."""
     replacement: Any = MISSING
+    """The module that replaces each layer (the ``replacement`` group; its keys depend on the option)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The corpus and its chunks (the ``data`` group)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """How teacher samples reach the students (the ``pipeline`` group)."""
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    """Where teacher workers and student ranks run (the ``device`` group)."""
     student: StudentConfig = field(default_factory=StudentConfig)
+    """How the replacements are trained (the ``student`` group)."""
     local: LocalConfig = field(default_factory=LocalConfig)
+    """What mode=local starts."""
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
+    """mode=eval: lm-evaluation-harness settings."""
     run_id: str | None = None
     """Names this run on the broker (and its shm segments); null = 'default' (or generated by mode=local)."""
     checkpoint_dir: str | None = None
     """null = outputs/checkpoints/<hash of the settings that shape the result>, so rerunning resumes."""
     resume: bool = True
+    """Continue from the checkpoints in ``checkpoint_dir`` (finished stages are skipped, an unfinished one
+    restarts from its last checkpoint); false trains every stage from scratch."""
     evaluate: bool = True
+    """At the end, score teacher and student on the held-out chunks and time decoding (the report's figures)."""
     log_level: str = "INFO"
+    """Level of distill's loggers: DEBUG, INFO, WARNING or ERROR."""
     stats_interval_s: float = 2.0
+    """mode=stats: seconds between two prints of the broker's counters."""
     keys_dir: str | None = None
     """mode=keys: where to write the key pairs; null = pipeline.auth_keys_dir."""
     keys_clients: list[str] = field(default_factory=lambda: ["client"])

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from distill.pipeline import setup_logging
 
 log = logging.getLogger(__name__)
 
 QUIET_LIBRARIES = ("transformers", "datasets", "urllib3", "filelock", "matplotlib")
+CONFIG_FILE = "config.yaml"
 
 
 def configure_logging(cfg: DictConfig) -> None:
@@ -51,3 +53,20 @@ def die_with_parent() -> None:
 def run_dir() -> Path:
     """The Hydra run directory of this job (cwd is not changed: hydra.job.chdir=False)."""
     return Path(HydraConfig.get().runtime.output_dir)
+
+
+def record_config(cfg: DictConfig) -> Path | None:
+    """Log the composed config (resolved YAML) and save it as ``config.yaml`` in the run dir.
+
+    Only the process that owns its run directory does, once per directory: mode=local's
+    children share the supervisor's and are started with ``hydra.output_subdir=null``, and of
+    torchrun ranks sharing one directory rank 0 writes. Returns the file written, if any.
+    """
+    if HydraConfig.get().output_subdir is None or os.environ.get("RANK", "0") != "0":
+        return None
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    log.info("config:\n%s", text.rstrip())
+    path = run_dir() / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
