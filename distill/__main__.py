@@ -5,17 +5,27 @@ imported when their mode is chosen, not here: a broker or ``--help`` must not pa
 importing torch models (the only imports inside a function in distill, besides the lazy
 top-level ``load_student`` and a hub config read in ``distill.model.location``). ``--help``
 is answered before Hydra runs, by ``distill.help``.
+
+A user's mistake is one line on stderr (``distill.errors``): a bad override is found by composing
+the config before Hydra does (with a "did you mean" from the schema), a setting that cannot work
+by ``distill.modes.checks`` (exit code 2); Ctrl-C ends in one line too (exit code 130).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from distill.config import register_configs
+from distill.config import CONF_DIR, register_configs
+from distill.errors import INTERRUPTED, INTERRUPTED_EXIT_CODE, ConfigError, UserError
 
 MODES: dict[str, tuple[str, str]] = {
     "broker": ("distill.modes.broker", "run_broker"),
@@ -38,6 +48,16 @@ HELP_FLAGS = frozenset({"--help", "-h"})
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except UserError as exc:  # here, inside Hydra's job: outside it Hydra has printed a traceback already
+        if _full_traces(cfg):
+            raise
+        _fail(str(exc), exc.exit_code)
+
+
+def run(cfg: DictConfig) -> None:
+    """Check the config, record it, run the mode."""
     checks = importlib.import_module("distill.modes.checks")
     checks.check_config(cfg)
     if cfg.mode not in NO_RUN_MODES:
@@ -53,7 +73,86 @@ def cli() -> None:
         sys.stdout.write(importlib.import_module("distill.help").help_text())
         return
     register_configs()
-    main()
+    if not _full_traces(None):
+        _check_overrides(sys.argv[1:])
+    try:
+        main()
+    except KeyboardInterrupt:  # mode=local has stopped its processes by now (run_local's finally)
+        if _full_traces(None):
+            raise
+        _fail(INTERRUPTED, INTERRUPTED_EXIT_CODE)
+
+
+def _check_overrides(args: list[str]) -> None:
+    """Compose the config once before Hydra does, so a mistake in an override is one line.
+
+    Hydra's own report of an unknown key is five lines and suggests ``+key=value``, which makes
+    the typo run silently. Sweeps (``-m``) and Hydra's flags are left to Hydra.
+    """
+    if any(arg.startswith("-") for arg in args):
+        return
+    overrides = [arg for arg in args if not arg.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        _compose(overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        _fail(_override_error(exc, overrides), CONFIG_ERROR_EXIT_CODE)
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _override_error(exc: Exception, overrides: list[str]) -> str:
+    """One line for a failed composition: the key, and what to type instead."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    key = getattr(cause, "full_key", None)
+    if key and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return f"unknown key {key}: {_suggest(key, overrides)}"
+    if isinstance(exc, MissingConfigException) and exc.options:
+        group, option = str(exc.missing_cfg_file).rsplit("/", 1)
+        return f"{group}={option}: no such option; choose one of {', '.join(exc.options)}"
+    reasons = [line.strip() for text in (str(exc), str(cause) if cause is not exc else "")
+               for line in text.splitlines() if line.strip() and not line.startswith(" ")]
+    return "; ".join(dict.fromkeys(reasons)) or type(exc).__name__
+
+
+def _suggest(key: str, overrides: list[str]) -> str:
+    """The closest key of the config the group choices compose (the schema with its options)."""
+    choices = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0] and not o.startswith(key + "=")]
+    try:
+        known = _keys(OmegaConf.to_container(_compose(choices)))
+    except (HydraException, OmegaConfBaseException):
+        known = []
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean {close[0]}?" if close else "python -m distill --help lists every key"
+
+
+def _keys(node: object, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a composed config."""
+    if not isinstance(node, dict):
+        return [prefix] if prefix else []
+    return [key for name, value in node.items() for key in _keys(value, f"{prefix}.{name}" if prefix else str(name))]
+
+
+def _full_traces(cfg: DictConfig | None) -> bool:
+    """``HYDRA_FULL_ERROR=1`` or ``log_level=DEBUG``: show the traceback behind a one-line error."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return True
+    if cfg is not None:
+        return str(cfg.get("log_level", "")).upper() == "DEBUG"
+    return any(arg.replace(" ", "").upper() == "LOG_LEVEL=DEBUG" for arg in sys.argv[1:])
+
+
+CONFIG_ERROR_EXIT_CODE = ConfigError.exit_code
+
+
+def _fail(message: str, exit_code: int) -> None:
+    """One line on stderr, then exit; after a run started, on a line of its own (a progress bar may
+    have left the cursor mid-line)."""
+    fresh_line = "" if exit_code == CONFIG_ERROR_EXIT_CODE else "\n"
+    sys.stderr.write(fresh_line + message.replace("\n", " ") + "\n")
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

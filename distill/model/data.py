@@ -98,16 +98,21 @@ def _load_pydoc() -> list[str]:
 
 def _load_text_files(path: str | None) -> list[str]:
     """One document per file matching the glob, sorted by file name for a stable order."""
+    docs = []
+    for file in text_files(path):
+        with open(file, encoding="utf-8", errors="replace") as f:
+            docs.append(f.read())
+    return docs
+
+
+def text_files(path: str | None) -> list[str]:
+    """The files the glob ``data.path`` matches, sorted; a ValueError naming the key when none."""
     if not path:
         raise ValueError("`data.source=text` needs `data.path`, a glob such as '/corpus/*.txt'.")
     files = sorted(f for f in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(f))
     if not files:
         raise ValueError(f"`data.path={path!r}` matches no file. Give a glob such as '/corpus/*.txt'.")
-    docs = []
-    for file in files:
-        with open(file, encoding="utf-8", errors="replace") as f:
-            docs.append(f.read())
-    return docs
+    return files
 
 
 def _load_hf_dataset(

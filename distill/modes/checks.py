@@ -13,10 +13,13 @@ import importlib.util
 import os
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import Mode, Parallel, Trainable
+from distill.config import Mode, Parallel, Source, Trainable
+from distill.errors import ConfigError
 from distill.model import family as families
+from distill.model.data import text_files
 from distill.model.location import model_shape, read_config, teacher_model
 from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
@@ -31,7 +34,22 @@ would stall the run for hours before anyone noticed."""
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Fail fast, before any process starts, on settings that cannot work."""
+    """Fail fast, before any process starts, on settings that cannot work.
+
+    Raises ``ConfigError`` (a ``ValueError``) naming the key and the fix; the ``ValueError`` of a
+    check owned elsewhere (the family's rules, the stage layout, /dev/shm, placement) becomes one.
+    """
+    try:
+        _check_all(cfg)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _check_all(cfg: DictConfig) -> None:
+    _check_missing(cfg)
+    _check_data(cfg)
     _check_numbers(cfg)
     _check_quality_settings(cfg)
     _check_family(cfg)
@@ -46,30 +64,51 @@ def check_config(cfg: DictConfig) -> None:
     _check_auth(cfg)
 
 
+def _check_missing(cfg: DictConfig) -> None:
+    """A key its option leaves to the user (``???`` in conf/, e.g. data=text's ``data.path``)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if _chosen("teacher") == "hf" and not cfg.teacher.name_or_path:  # its ``???`` merges onto the schema's null
+        missing.insert(0, "teacher.name_or_path")
+    if missing:
+        raise ConfigError(f"{missing[0]} has no value and the chosen options need one: "
+                          f"add {missing[0]}=<value> to the command")
+
+
+def _chosen(group: str) -> str | None:
+    """The option of ``group`` the command chose, where Hydra composed it (not in a bare ``compose()``)."""
+    return HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+
+
+def _check_data(cfg: DictConfig) -> None:
+    """data=text: the glob matches files now, not minutes later in a worker."""
+    if cfg.mode in (Mode.local, Mode.student, Mode.worker) and cfg.data.source == Source.text:
+        text_files(cfg.data.path)
+
+
 def _check_eval(cfg: DictConfig) -> None:
     """mode=eval needs an exported student and lm-evaluation-harness (an optional extra)."""
     student = cfg.lm_eval.student
     if not student or not os.path.isfile(os.path.join(str(student), "distill_student.json")):
-        raise ValueError(f"mode=eval needs lm_eval.student=<an exported student directory> (a run's student/); "
+        raise ConfigError(f"mode=eval needs lm_eval.student=<an exported student directory> (a run's student/); "
                          f"got {student!r}")
     if importlib.util.find_spec("lm_eval") is None:
-        raise ValueError("mode=eval needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)")
+        raise ConfigError("mode=eval needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)")
 
 
 def _check_numbers(cfg: DictConfig) -> None:
     if cfg.pipeline.slot_count < 1:
-        raise ValueError(f"pipeline.slot_count={cfg.pipeline.slot_count} must be >= 1 (a batch may be larger: "
+        raise ConfigError(f"pipeline.slot_count={cfg.pipeline.slot_count} must be >= 1 (a batch may be larger: "
                          "its slots are refilled while it is gathered)")
     if cfg.pipeline.slot_count > cfg.pipeline.max_queued_per_student:
-        raise ValueError(f"pipeline.slot_count={cfg.pipeline.slot_count} > pipeline.max_queued_per_student="
+        raise ConfigError(f"pipeline.slot_count={cfg.pipeline.slot_count} > pipeline.max_queued_per_student="
                          f"{cfg.pipeline.max_queued_per_student}: the broker would refuse the requests; "
                          "raise pipeline.max_queued_per_student (on the broker too) or lower slot_count")
     for key in ("steps_per_stage", "micro_batch_size", "grad_accum_steps"):
         if cfg.student[key] < 1:
-            raise ValueError(f"student.{key}={cfg.student[key]} must be >= 1")
+            raise ConfigError(f"student.{key}={cfg.student[key]} must be >= 1")
     sleep_s = cfg.teacher.get("sleep_per_batch_s", 0.0)
     if not (0 <= sleep_s <= MAX_SLEEP_PER_BATCH_S):  # NaN fails too
-        raise ValueError(f"teacher.sleep_per_batch_s={sleep_s} must be between 0 (off) and "
+        raise ConfigError(f"teacher.sleep_per_batch_s={sleep_s} must be between 0 (off) and "
                          f"{MAX_SLEEP_PER_BATCH_S:g} seconds: it is how long each teacher batch takes at least "
                          "(a synthetic slow teacher)")
 
@@ -78,41 +117,41 @@ def _check_quality_settings(cfg: DictConfig) -> None:
     """Closed-loop inputs, early stopping and the end-to-end stage."""
     student = cfg.student
     if student.patience and not student.val_every_steps:
-        raise ValueError(f"student.patience={student.patience} needs periodic validation: "
+        raise ConfigError(f"student.patience={student.patience} needs periodic validation: "
                          "set student.val_every_steps > 0, or patience=0")
     if student.max_tokens_per_stage is not None and student.max_tokens_per_stage < 1:
-        raise ValueError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
+        raise ConfigError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
     _check_hybrid(cfg)
     e2e = student.e2e
     if e2e.steps <= 0:
         return
     if e2e.top_k < 1 or e2e.temperature <= 0:
-        raise ValueError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
+        raise ConfigError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
                          f"{e2e.temperature} > 0")
     if e2e.parallel == Parallel.fsdp and e2e.trainable == Trainable.lora:
-        raise ValueError("student.e2e.parallel=fsdp shards the trained weights, but LoRA adapters are "
+        raise ConfigError("student.e2e.parallel=fsdp shards the trained weights, but LoRA adapters are "
                          "small and merged into unsharded maps at the end: use student.e2e.parallel=ddp "
                          "with trainable=lora, or trainable=replacements|all with fsdp")
     if e2e.loss_chunk_tokens < 1:
-        raise ValueError(f"student.e2e.loss_chunk_tokens={e2e.loss_chunk_tokens} must be >= 1 (1024 is a good default)")
+        raise ConfigError(f"student.e2e.loss_chunk_tokens={e2e.loss_chunk_tokens} must be >= 1 (1024 is a good default)")
 
 
 def _check_hybrid(cfg: DictConfig) -> None:
     """An automatic hybrid needs one budget, a scoring pass, and a layer left to convert."""
     hybrid = cfg.student.hybrid
     if hybrid.keep_softmax is not None and hybrid.max_gap is not None:
-        raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} and student.hybrid.max_gap="
+        raise ConfigError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} and student.hybrid.max_gap="
                          f"{hybrid.max_gap} are both set: choose one (the other null)")
     if hybrid.keep_softmax is None and hybrid.max_gap is None:
         return
     if hybrid.steps < 1:
-        raise ValueError(f"student.hybrid.steps={hybrid.steps} must be >= 1 (the scoring pass trains each layer)")
+        raise ConfigError(f"student.hybrid.steps={hybrid.steps} must be >= 1 (the scoring pass trains each layer)")
     if hybrid.max_gap is not None and hybrid.max_gap <= 0:
-        raise ValueError(f"student.hybrid.max_gap={hybrid.max_gap} must be > 0 (0.02 = within 2%)")
+        raise ConfigError(f"student.hybrid.max_gap={hybrid.max_gap} must be > 0 (0.02 = within 2%)")
     if hybrid.keep_softmax is not None:
         candidates = len(set(cfg.student.layers)) if cfg.student.layers is not None else _teacher_shape(cfg)[0]
         if not 0 <= hybrid.keep_softmax < candidates:
-            raise ValueError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
+            raise ConfigError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
                              f"there are {candidates} candidate layers (student.layers) and at least one "
                              "must be converted")
 
@@ -167,7 +206,7 @@ def _check_memory(cfg: DictConfig) -> None:
         spread = worker_gpus(cfg)
         room = min(torch.cuda.get_device_properties(g).total_memory for g in spread if g < gpus)
         if teacher / len(spread) > room:
-            raise ValueError(
+            raise ConfigError(
                 f"the teacher {model} has {shape.params / 1e9:.1f}B parameters: "
                 f"{_gib(teacher)} in {cfg.teacher.dtype}, {_gib(teacher / len(spread))} per GPU over {list(spread)}, "
                 f"and a GPU there has {_gib(room)}: spread it over more GPUs (device.worker_gpus=[...], "
@@ -191,7 +230,7 @@ def _check_student_floor(cfg: DictConfig, shape: ModelShape, gpus: int) -> None:
         room, where = _available_ram() // ranks, f"this machine's free RAM / {ranks} rank(s)"
     if need > room:
         detail = " + ".join(f"{name} {_gib(value)}" for name, value in parts.items())
-        raise ValueError(f"each student rank needs at least {_gib(need)} ({detail}); {where} has {_gib(room)}: "
+        raise ConfigError(f"each student rank needs at least {_gib(need)} ({detail}); {where} has {_gib(room)}: "
                          "use more ranks with student.e2e.parallel=fsdp, student.e2e.trainable=replacements, "
                          "a smaller student.e2e.loss_chunk_tokens, or bigger devices")
 
@@ -210,7 +249,7 @@ def _check_devices(cfg: DictConfig) -> None:
     """GPUs that exist, a teacher spread over GPUs with accelerate installed, and (mode=local)
     no GPU shared by a teacher worker and a student rank unless asked (``modes/placement.py``)."""
     if cfg.device.get("worker_gpus") and importlib.util.find_spec("accelerate") is None:
-        raise ValueError(f"device.worker_gpus={list(cfg.device.worker_gpus)} spreads the teacher with "
+        raise ConfigError(f"device.worker_gpus={list(cfg.device.worker_gpus)} spreads the teacher with "
                          "transformers' device_map, which needs accelerate: pip install 'distill[sharded]'")
     if cfg.mode == Mode.local:
         plan_local(cfg, torch.cuda.device_count())
@@ -228,7 +267,7 @@ def _check_auth(cfg: DictConfig) -> None:
     if not keys_dir or cfg.mode == Mode.keys:
         return
     if not os.path.isdir(os.path.expanduser(str(keys_dir))):
-        raise ValueError(f"pipeline.auth_keys_dir={keys_dir!r} does not exist; create it with "
+        raise ConfigError(f"pipeline.auth_keys_dir={keys_dir!r} does not exist; create it with "
                          f"`python -m distill mode=keys keys_dir={keys_dir}` (or set pipeline.auth_keys_dir=null "
                          "to turn authentication off)")
     curve = curve_config(cfg)
@@ -238,5 +277,5 @@ def _check_auth(cfg: DictConfig) -> None:
         if cfg.mode != Mode.broker:
             curve.client_keys()
     except AuthError as exc:
-        raise ValueError(f"pipeline.auth_keys_dir={keys_dir!r}, pipeline.auth_client="
+        raise ConfigError(f"pipeline.auth_keys_dir={keys_dir!r}, pipeline.auth_client="
                          f"{cfg.pipeline.auth_client!r}: {exc}") from exc

@@ -11,7 +11,10 @@ are told the broker's process (``pipeline.broker_pid``), so they wait for a brok
 still starting (it may take minutes on a loaded machine) and fail at once if it exits.
 The supervisor waits for the students; on success, Ctrl-C, SIGTERM, or any child
 dying, it stops every child, and the kernel stops them too if the supervisor itself is
-killed (PR_SET_PDEATHSIG).
+killed (PR_SET_PDEATHSIG). The children have their own process group, so a terminal's
+Ctrl-C reaches the supervisor alone, which stops them in order; the students' stderr is
+relayed to ours and kept in ``students.err``, and muted once they are being stopped. A
+child that fails is reported in one line (``ChildFailed``): its name, its last error line, its log.
 """
 
 from __future__ import annotations
@@ -19,21 +22,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 import zmq
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from distill.errors import ChildFailed
 from distill.model.location import teacher_source
 from distill.modes.placement import plan_local
 from distill.modes.process import configure_logging, die_with_parent, exit_on_sigterm, run_dir
@@ -52,6 +59,11 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 TERMINATE_GRACE_S = 10.0
+RELAY_CHUNK_BYTES = 65536
+RELAY_DRAIN_S = 5.0
+"""How long the students' stderr may take to drain into its log once torchrun has exited."""
+ERROR_LINE = re.compile(r"^\w+(\.\w+)*(Error|Exception|Exit)\b|\]\[(ERROR|CRITICAL)\]")
+"""A traceback's last line (``ValueError: ...``) or an ERROR record of our log format."""
 OWN_KEYS = ("mode=", "run_id=", "pipeline.socket_dir=", "hydra.run.dir=", "hydra.output_subdir=",
             "hydra.job.name=", "device.student_gpus=", "pipeline.broker_pid=")
 
@@ -61,6 +73,25 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path | None
+    relay: StderrRelay | None = None
+
+
+class StderrRelay(threading.Thread):
+    """Copies a child's stderr to ours (its progress bars) and to its log; once muted, to the
+    log only: torchrun's traceback when we stop it (SIGTERM) goes to the file, not the screen."""
+
+    def __init__(self, pipe: IO[bytes], log_path: Path) -> None:
+        super().__init__(name=f"relay {log_path.name}", daemon=True)
+        self._pipe, self._log_path, self.muted = pipe, log_path, threading.Event()
+
+    def run(self) -> None:
+        with self._pipe, open(self._log_path, "wb") as log_file:
+            while chunk := os.read(self._pipe.fileno(), RELAY_CHUNK_BYTES):
+                log_file.write(chunk)
+                log_file.flush()
+                if not self.muted.is_set():
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
 
 
 def run_local(cfg: DictConfig) -> None:
@@ -159,17 +190,23 @@ def _spawn(name: str, overrides: list[str], out: Path, torchrun_ranks: int | Non
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={torchrun_ranks}", "-m", "distill", *overrides]
-        log_path, stdout = None, None  # students print progress to our terminal
+        log_path, stdout = out / f"{name}.err", None  # students print progress to our terminal, via a relay
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, env=env,
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else subprocess.PIPE, env=env,
                             preexec_fn=_child_setup)
+    relay = None
+    if stdout is None:
+        relay = StderrRelay(proc.stderr, log_path)
+        relay.start()
     log.info("started %s (pid %d)", name, proc.pid)
-    return Child(name, proc, log_path)
+    return Child(name, proc, log_path, relay)
 
 
 def _child_setup() -> None:
-    """In the child before exec: die with us (the kernel sends SIGTERM)."""
+    """In the child before exec: die with us (the kernel sends SIGTERM), and leave the terminal's
+    Ctrl-C to us (its own process group): we stop every child in order and print one line."""
     die_with_parent()
+    os.setpgid(0, 0)
 
 
 def _wait_for_students(children: list[Child]) -> None:
@@ -181,23 +218,37 @@ def _wait_for_students(children: list[Child]) -> None:
                 continue
             if child is students and code == 0:
                 return
-            where = f"; see {child.log_path}" if child.log_path else ""
-            _tail(child)
-            raise RuntimeError(f"{child.name} exited with code {code}{where}")
+            raise ChildFailed(_failure(child, code))
         with contextlib.suppress(subprocess.TimeoutExpired):  # back at once when the students end
             students.proc.wait(timeout=POLL_S)
 
 
-def _tail(child: Child, lines: int = 20) -> None:
-    if child.log_path and child.log_path.exists():
-        text = child.log_path.read_text(errors="replace").splitlines()[-lines:]
-        log.error("last lines of %s:\n%s", child.log_path, "\n".join(text))
+def _failure(child: Child, code: int) -> str:
+    """One line: which process, how it ended, its last error line and where its whole log is."""
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if child.relay is not None:
+        child.relay.join(timeout=RELAY_DRAIN_S)  # its last words are in the log
+    if child.log_path is None:
+        return f"{child.name} {how}"
+    return f"{child.name} {how}; last error line: {_last_error_line(child.log_path)!r}; full log: {child.log_path}"
+
+
+def _last_error_line(log_path: Path) -> str:
+    """The last line that reads like an error (a traceback's last line, an ERROR log), else the last line."""
+    if not log_path.exists():
+        return ""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if ERROR_LINE.search(line)]
+    return (errors or lines or [""])[-1]
 
 
 def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig | None = None,
               secret: str | None = None) -> None:
     """Ask workers to stop (STOP, with the run's leader ``secret``: the broker refuses a STOP
     of a led run without it), then SIGTERM what is left, then SIGKILL after a grace period."""
+    for child in children:
+        if child.relay is not None:
+            child.relay.muted.set()  # what a stopped child says is in its log, not on the screen
     if any(c.proc.poll() is None for c in children):
         _publish_stop(control_endpoint, curve, secret)
     for child in reversed(children):
@@ -211,6 +262,8 @@ def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig |
             log.warning("%s did not stop in %.0fs: killing it", child.name, TERMINATE_GRACE_S)
             child.proc.kill()
             child.proc.wait()
+        if child.relay is not None:
+            child.relay.join(timeout=RELAY_DRAIN_S)
 
 
 def _publish_stop(control_endpoint: str, curve: CurveConfig | None = None, secret: str | None = None) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill.errors import INTERRUPTED, INTERRUPTED_EXIT_CODE
+
 RUN_TIMEOUT_S = 300
 
 
@@ -218,29 +220,41 @@ def _check_data_supply_and_time_split(run: Path, log: str) -> None:
     assert "## Where the time went" in (run / "report.md").read_text()
 
 
-@pytest.mark.parametrize("fault", ["sigint", "worker_dies"])
+@pytest.mark.parametrize("fault", ["sigint", "ctrl_c", "worker_dies"])
 def test_local_tears_everything_down(tmp_path: Path, fault: str) -> None:
+    """SIGINT to the supervisor, Ctrl-C as a terminal sends it (to the whole process group), or a
+    teacher killed: every process goes, and the last line says what happened."""
     marker = f"e2e{fault.replace('_', '')}"
     overrides = [*_tiny(tmp_path), f"run_id={marker}", "student.steps_per_stage=100000",
                  "local.num_workers=1",  # one teacher is enough to kill; both DDP ranks must go
                  f"checkpoint_dir={tmp_path / 'ckpt'}"]
     proc = subprocess.Popen(_cmd(overrides, tmp_path / "run"), cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=fault == "ctrl_c")
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, RUN_TIMEOUT_S, "training", proc)
         if fault == "sigint":
             proc.send_signal(signal.SIGINT)
+        elif fault == "ctrl_c":
+            os.killpg(proc.pid, signal.SIGINT)
         else:
             workers = [p for p in _procs_with(marker)
                        if b"mode=worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
             os.kill(workers[0], signal.SIGKILL)
-        proc.wait(timeout=60)
+        output, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
     _wait_gone(marker)
+    last = [line for line in output.splitlines() if line.strip()][-1]
+    if fault != "worker_dies":  # one line, after every process stopped, and the shell's code of a Ctrl-C
+        assert (proc.returncode, last) == (INTERRUPTED_EXIT_CODE, INTERRUPTED), output[-3000:]
+        assert "Traceback" not in output, output[-3000:]  # torchrun's, on SIGTERM, is in students.err
+    else:  # which process, how it ended, its last error line and its log
+        assert proc.returncode == 1, output[-3000:]
+        assert last.startswith("worker0 was killed by SIGKILL; last error line: "), output[-3000:]
+        assert last.endswith(f"; full log: {tmp_path / 'run' / 'worker0.out'}"), output[-3000:]
 
 
 def test_multirun_gives_each_job_its_own_run_and_a_summary(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).parents[2] / "distill"
 
 RANKS = {"distill": 8, "distill.__main__": 8, "distill.modes": 6, "distill.results": 5, "distill.train": 4,
-         "distill.replacements": 3, "distill.model": 2, "distill.config": 1, "distill.pipeline": 0}
+         "distill.replacements": 3, "distill.model": 2, "distill.config": 1, "distill.errors": 1,
+         "distill.pipeline": 0}
 """The layer of each top-level part of the package; higher may import lower, never the reverse."""
 
 LAZY_IMPORTS = {

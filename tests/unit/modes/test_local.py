@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from distill.config import CONF_DIR, register_configs
+from distill.errors import ChildFailed
 from distill.modes import local
 from distill.pipeline import protocol
 from distill.pipeline.protocol import Command
@@ -56,18 +57,20 @@ def test_students_finishing_ends_the_wait(children) -> None:
     assert time.monotonic() - started < 5 and broker.proc.poll() is None
 
 
-def test_a_dead_child_stops_the_wait_naming_it_and_its_log(children, tmp_path: Path, caplog) -> None:
+def test_a_dead_child_stops_the_wait_naming_it_its_last_error_and_its_log(children, tmp_path: Path) -> None:
     log_path = tmp_path / "worker0.out"
-    worker = _child(children, "worker0", "print('teacher failed to load'); raise SystemExit(3)", log_path)
+    code = "print('ValueError: teacher failed to load'); print('exiting'); raise SystemExit(3)"
+    worker = _child(children, "worker0", code, log_path)
     students = _child(children, "students", SLEEPER)
-    with pytest.raises(RuntimeError, match=rf"worker0 exited with code 3; see {log_path}"):
+    with pytest.raises(ChildFailed) as failed:
         local._wait_for_students([worker, students])
-    assert "teacher failed to load" in caplog.text  # its last lines are logged
+    assert str(failed.value) == ("worker0 exited with code 3; last error line: 'ValueError: teacher failed to load'; "
+                                 f"full log: {log_path}")
 
 
 def test_a_failing_student_run_is_an_error_too(children) -> None:
     students = _child(children, "students", "raise SystemExit(1)")
-    with pytest.raises(RuntimeError, match="students exited with code 1"):
+    with pytest.raises(ChildFailed, match="students exited with code 1"):
         local._wait_for_students([students])
 
 
