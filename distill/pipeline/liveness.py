@@ -43,8 +43,19 @@ BROKER_WAIT_S = 600.0
 """The longest a call waits for the broker's answer, however alive the broker looks."""
 
 
+BEAT_SUFFIX = b"/beat"
+"""Ends the routing identity of a peer's heartbeat socket (:func:`beat_identity`)."""
+
+
 def new_peer_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:12]}"
+
+
+def beat_identity(identity: bytes) -> bytes:
+    """The routing identity of the heartbeat socket of the connection ``identity`` (a
+    peer's own routing identity is its peer id): the broker lets a heartbeat keep alive
+    only the peers of the connection it comes from, or of that connection's beat socket."""
+    return identity + BEAT_SUFFIX
 
 
 class Heartbeater:
@@ -94,6 +105,7 @@ class Heartbeater:
     def _run(self) -> None:
         ctx = zmq.Context.instance()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER), hwm=10), self.keys)
+        sock.setsockopt(zmq.ROUTING_ID, beat_identity(self.peer_id.encode()))
         sock.setsockopt(zmq.SNDTIMEO, int(self.interval_s * 1000))  # no route to the broker: skip a beat
         watch = HandshakeWatch(sock) if self.keys is not None else None
         sock.connect(self.endpoint)
