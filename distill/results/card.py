@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from distill.results.numbers import format_column, signed_percent
-
 CARD_FILE = "README.md"
 
 _KIND_TAGS = {"LinearAttentionLayer": "linear-attention", "ResidualMLP": "residual-mlp", "PrunedLayer": "pruning",
@@ -120,11 +118,10 @@ def _quality(facts: dict) -> str:
         return ""
     metric = "perplexity (lower is better)" if result["kind"] == "lm" else "cosine of final hidden states"
     gap = result["student"] / result["teacher"] - 1
-    teacher, student = format_column([result["teacher"], result["student"]])  # a gap never prints as none
     return "\n".join([
         "## Quality", "", f"Held-out {metric} over {result['num_tokens']:,} tokens not trained on.", "",
-        "| model | held-out |", "| --- | --- |", f"| teacher | {teacher} |",
-        f"| this student | {student} |", f"| relative gap | {signed_percent(gap)} |"])
+        "| model | held-out |", "| --- | --- |", f"| teacher | {_fmt(result['teacher'])} |",
+        f"| this student | {_fmt(result['student'])} |", f"| relative gap | {gap:+.2%} |"])
 
 
 def _speed(facts: dict) -> str:
