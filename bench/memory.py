@@ -14,14 +14,15 @@ prints, for a broker process (``distill.pipeline.Broker``):
    worker to serve them, for ``--flood-seconds`` (the broker refuses what exceeds
    its per-run queue bound and answers ERROR), then leaves (BYE). RSS before, peak
    during, and after the flood's requests were dropped.
-3. ``fairness``: what a flooding peer costs a good student. One worker and one
-   student (this process, a ``StudentClient`` of 32 slots of 4 KiB, direct requests off:
-   every sample goes through the broker) take samples in ``--rounds`` pairs of
-   ``--fair-seconds`` windows, one quiet and one while a flooder (its own process) sends
-   in turn, never reading an answer: REQUESTs of ~1.9 MiB of empty maps (the dearest
-   bytes to unpack), of ~4 MiB (the old message limit) and valid REQUESTs of 8,192
-   fresh slots. Printed side by side: the student's samples/s (median over the rounds)
-   and their ratio, the broker's RSS, the longest a STATS (asked every 0.25 s) waited.
+3. ``fairness``: what each attack of issue 37 (``bench/attacks.py``: floods of dear bodies,
+   unread HELLOs, STATS over 1,000 runs, a queue hog of another run, made-up runs) costs a
+   good student. One worker and one student (this process, a ``StudentClient`` of 32 slots
+   of 4 KiB, direct requests off: every sample goes through the broker; its run's
+   ``model_cfg`` is 60 KB) take samples in ``--rounds`` pairs of ``--fair-seconds``
+   windows per attack, one quiet and one while the attacker (its own process, reading no
+   answer) sends. Printed, one row per attack: the student's samples/s (median) quiet and
+   attacked and their ratio, the broker's peak RSS, the longest a STATS (asked every
+   0.25 s) waited, the attack's messages.
 
 4. ``--e2e``: peak RSS of the end-to-end stage's student rank on a random-weights Llama of
    about 1B parameters (hidden 2048, 16 layers, vocabulary 32k, bfloat16, all 16 layers
@@ -35,8 +36,9 @@ prints, for a broker process (``distill.pipeline.Broker``):
 
 Run it from the repository root::
 
-    python bench/memory.py            # 60 s sustained + 10 s flood + 3 x (4 + 4) s fairness
-    python bench/memory.py --quick    # 10 s + 3 s + 3 x (2 + 2) s
+    python bench/memory.py            # 60 s sustained + 10 s flood + 5 attacks x 2 x (4 + 4) s fairness
+    python bench/memory.py --quick    # 10 s + 3 s + 5 x 2 x (2 + 2) s
+    python bench/memory.py --only-fairness   # the attacks alone (issue 37's table in docs/security.md)
     python bench/memory.py --e2e      # the end-to-end stage, before / after (about 5 minutes)
 """
 
@@ -54,9 +56,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
 import torch
 import zmq
+from attacks import ATTACKS, BIG_MODEL_CFG, run_attacker  # bench/attacks.py
 from children import SPAWN, Children, child_init, run_broker  # bench/children.py
 from pipeline import fill_targets, run_worker, sample_config  # bench/pipeline.py
 from safetensors.torch import save_file
@@ -65,7 +67,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from distill.model.assemble import splice
 from distill.model.teacher import Teacher
 from distill.pipeline import DistillIterableDataset, StudentClient, Worker, protocol
-from distill.pipeline.protocol import PROTOCOL_TAG, Command
+from distill.pipeline.protocol import Command
 from distill.replacements.mlp import ResidualMLP
 from distill.train import checkpoint as ckpt
 from distill.train.e2e import E2EStudent, topk_kl
@@ -171,14 +173,22 @@ def flood(endpoints: dict[str, str], broker_pid: int, seconds: float) -> Trace:
 
 
 @dataclass
-class Fairness:
-    """The good student's samples/s per window, quiet and flooded, and what the broker showed."""
+class Window:
+    """The good student's samples/s in one window, and what the broker showed meanwhile."""
 
-    quiet: list[float] = field(default_factory=list)
-    flooded: list[float] = field(default_factory=list)
-    rss_kib: list[int] = field(default_factory=list)
-    stats_waits_s: list[float] = field(default_factory=list)
-    flood_sent: int = 0
+    samples_per_s: float
+    rss_kib: int
+    stats_wait_s: float
+
+
+@dataclass
+class Fairness:
+    """Per attack (``attacks.ATTACKS``): the quiet windows before its own, its windows, and
+    the messages it sent."""
+
+    quiet: dict[str, list[Window]] = field(default_factory=dict)
+    attacked: dict[str, list[Window]] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
 
 
 def run_fair_worker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
@@ -192,83 +202,47 @@ def run_fair_worker(parent_pid: int, ready, endpoints: dict[str, str]) -> None:
     worker.run()
 
 
-def _flood_messages(peer_id: str) -> list[list[bytes]]:
-    """The flood, in turn: ~1.9 MiB of empty maps, ~4 MiB of them, a valid 8,192-slot REQUEST."""
-    head = {"run_id": "default", "peer_id": peer_id, "generation": 0, "medium": f"dst_flood_{os.getpid()}_1",
-            "stride": 4160}
-    bodies = []
-    for count in (1_900_000, 4 * 2**20 - 4096):  # lists of 65,536 maps: each passes max_array_len
-        lists = [min(65536, count - start) for start in range(0, count, 65536)]
-        slots = (b"\xdd" + len(lists).to_bytes(4, "big")
-                 + b"".join(b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n for n in lists))
-        packed = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in head.items())
-        bodies.append([PROTOCOL_TAG, Command.REQUEST.value,
-                       b"\xde" + (len(head) + 1).to_bytes(2, "big") + packed + msgpack.packb("slots") + slots])
-    return bodies
-
-
-def run_flooder(parent_pid: int, ready, endpoint: str, flooding, sent) -> None:
-    """Sends the flood while ``flooding`` is set, as fast as the broker takes it, reading nothing."""
-    child_init(parent_pid)
-    peer_id = f"flooder-{os.getpid()}"
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, peer_id.encode())
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    messages, request_id = _flood_messages(peer_id), 0
-    ready.set()
-    while True:
-        flooding.wait()
-        request_id += 8192
-        valid = protocol.encode(Command.REQUEST, {
-            "run_id": "default", "peer_id": peer_id, "generation": 0, "medium": f"dst_flood_{os.getpid()}_1",
-            "stride": 4160, "slots": [[i, request_id + i] for i in range(8192)]})
-        for frames in (*messages, valid):
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-                sent.value += 1
-            except zmq.Again:
-                sock.poll(50, zmq.POLLOUT)
-
-
-def fairness(endpoints: dict[str, str], broker_pid: int, seconds: float, rounds: int) -> Fairness:
-    """Quiet and flooded windows in turn; the good student's rate in each (see module docstring)."""
+def fairness(endpoints: dict[str, str], broker_pid: int, seconds: float, rounds: int,
+             attacks: tuple[str, ...] = ATTACKS) -> Fairness:
+    """For each attack, quiet and attacked windows in turn (see the module docstring)."""
     result = Fairness()
-    flooding, sent = SPAWN.Event(), SPAWN.Value("q", 0)
     with Children() as kids, StudentClient(0, FAIR_SLOTS, sample_config(FAIR_SAMPLE_BYTES), endpoints["frontend"],
                                            endpoints["control"], endpoints["control_pub"],
                                            direct_requests=False) as client:
         kids.start(run_fair_worker, endpoints)
-        kids.start(run_flooder, endpoints["frontend"], flooding, sent)
         client.hello()
-        client.set_model("fairness")
-        _samples_per_s(client, 1.0, endpoints, broker_pid, None)  # warm up
-        for _ in range(rounds):
-            result.quiet.append(_samples_per_s(client, seconds, endpoints, broker_pid, None))
-            flooding.set()
-            time.sleep(0.5)  # the flood is on before the window opens
-            result.flooded.append(_samples_per_s(client, seconds, endpoints, broker_pid, result))
-            flooding.clear()
-            time.sleep(1.0)  # what the flooder had queued drains
-        result.flood_sent = sent.value
+        client.set_model("fairness", BIG_MODEL_CFG)
+        _window(client, 1.0, endpoints, broker_pid)  # warm up
+        for attack in attacks:
+            on, sent = SPAWN.Event(), SPAWN.Value("q", 0)
+            kids.start(run_attacker, attack, endpoints, on, sent)
+            quiet, attacked = result.quiet.setdefault(attack, []), result.attacked.setdefault(attack, [])
+            for _ in range(rounds):
+                quiet.append(_window(client, seconds, endpoints, broker_pid))
+                on.set()
+                time.sleep(1.0)  # the attack is on before the window opens
+                attacked.append(_window(client, seconds, endpoints, broker_pid))
+                on.clear()
+                time.sleep(1.0)  # what the attacker had queued drains
+            result.sent[attack] = sent.value
     return result
 
 
-def _samples_per_s(client: StudentClient, seconds: float, endpoints: dict[str, str], broker_pid: int,
-                   watch: Fairness | None) -> float:
-    count, start = 0, time.monotonic()
-    next_stats = start
+def _window(client: StudentClient, seconds: float, endpoints: dict[str, str], broker_pid: int) -> Window:
+    """Samples for ``seconds``; the broker's peak RSS and longest STATS wait meanwhile."""
+    count, start, next_stats = 0, time.monotonic(), 0.0
+    rss, waits = [rss_kib(broker_pid)], [0.0]
     while (now := time.monotonic()) - start < seconds:
-        if watch is not None and now >= next_stats:
-            watch.stats_waits_s.append(_stats_wait_s(endpoints["frontend"]))
-            watch.rss_kib.append(rss_kib(broker_pid))
+        if now >= next_stats:
+            waits.append(_stats_wait_s(endpoints["frontend"]))
+            rss.append(rss_kib(broker_pid))
             next_stats = time.monotonic() + STATS_EVERY_S
         ref = client.request_sample(timeout_ms=60_000)
         if ref is None:
             raise RuntimeError("the good student got no sample for 60 s")
         client.release_slot(ref.slot_id)
         count += 1
-    return count / (time.monotonic() - start)
+    return Window(count / (time.monotonic() - start), max(rss), max(waits))
 
 
 def _stats_wait_s(frontend: str, timeout_s: float = 60.0) -> float:
@@ -286,17 +260,20 @@ def _stats_wait_s(frontend: str, timeout_s: float = 60.0) -> float:
         sock.close(0)
 
 
-def print_fairness(result: Fairness, seconds: float, rss_before_kib: int) -> None:
-    quiet, flooded = statistics.median(result.quiet), statistics.median(result.flooded)
+def print_fairness(result: Fairness, seconds: float) -> None:
+    """One row per attack: the student's median samples/s quiet and attacked, their ratio,
+    the broker's peak RSS and the longest STATS wait in the attacked windows."""
     print(f"\nfairness: a good student through the broker ({FAIR_SLOTS} slots of {FAIR_SAMPLE_BYTES >> 10} KiB, "
-          f"1 worker) in {len(result.quiet)} pairs of {seconds:g} s windows, quiet and while one peer floods "
-          f"({result.flood_sent:,} flood messages sent)")
-    print(f"{'window':<10} {'samples/s':>10} {'lowest':>10} {'highest':>10} {'vs quiet':>9} {'broker MiB':>11} "
-          f"{'STATS wait':>11}")
-    print(f"{'quiet':<10} {quiet:>10,.0f} {min(result.quiet):>10,.0f} {max(result.quiet):>10,.0f} {1:>9.2f} "
-          f"{rss_before_kib / 1024:>11.1f} {'-':>11}")
-    print(f"{'flooded':<10} {flooded:>10,.0f} {min(result.flooded):>10,.0f} {max(result.flooded):>10,.0f} "
-          f"{flooded / quiet:>9.2f} {max(result.rss_kib) / 1024:>11.1f} {max(result.stats_waits_s) * 1000:>9.1f}ms")
+          f"1 worker, run model_cfg {len(BIG_MODEL_CFG['blob']) // 1000} KB), {seconds:g} s windows, quiet then "
+          "attacked, per attack")
+    print(f"{'attack':<8} {'quiet/s':>9} {'attacked/s':>11} {'lowest':>8} {'vs quiet':>9} {'broker MiB':>11} "
+          f"{'STATS wait':>11} {'sent':>11}")
+    for attack, attacked in result.attacked.items():
+        quiet = statistics.median(w.samples_per_s for w in result.quiet[attack])
+        under = statistics.median(w.samples_per_s for w in attacked)
+        print(f"{attack:<8} {quiet:>9,.0f} {under:>11,.0f} {min(w.samples_per_s for w in attacked):>8,.0f} "
+              f"{under / quiet:>9.2f} {max(w.rss_kib for w in attacked) / 1024:>11.1f} "
+              f"{max(w.stats_wait_s for w in attacked) * 1000:>9.1f}ms {result.sent[attack]:>11,}")
 
 
 def print_trace(trace: Trace, unit: str) -> None:
@@ -314,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-steps", type=int, default=2, help="training steps per end-to-end cell")
     parser.add_argument("--e2e-layers", type=int, default=E2E_LAYERS, help="teacher layers (16: ~1B parameters)")
     parser.add_argument("--fair-seconds", type=float, default=None, help="each fairness window (default 4)")
-    parser.add_argument("--rounds", type=int, default=3, help="quiet/flooded window pairs (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="quiet/attacked window pairs per attack (default 2)")
     parser.add_argument("--only-fairness", action="store_true", help="skip the sustained and flood phases")
+    parser.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="fairness attacks to run")
     args = parser.parse_args(argv)
     if args.e2e:
         return e2e_main(args.e2e_steps, args.e2e_layers)
@@ -333,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             traces = [] if args.only_fairness else [
                 (sustained(endpoints, broker_pid, seconds), "samples served"),
                 (flood(endpoints, broker_pid, flood_s), "slots requested")]
-            rss_before = rss_kib(broker_pid)
-            fair = fairness(endpoints, broker_pid, fair_s, args.rounds)
+            fair = fairness(endpoints, broker_pid, fair_s, args.rounds, tuple(args.attacks))
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -347,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'KiB/min':>12} {'count':>14}")
     for trace, unit in traces:
         print_trace(trace, unit)
-    print_fairness(fair, fair_s, rss_before)
+    print_fairness(fair, fair_s)
     return 0
 
 

@@ -114,7 +114,7 @@ def read_run(work: Path, name: str) -> Run | None:
     evaluation, summary = result["eval"], result["summary"]
     wall = work / name / "wall_s"
     return Run(evaluation["teacher"], evaluation["student"], summary.get("student_after_layer_stages"),
-               evaluation.get("identity"), list(summary["layers"]), summary["teacher"],
+               evaluation.get("identity"), list(summary["layers"]), summary.get("teacher_source", summary["teacher"]),
                float(wall.read_text()) if wall.exists() else float("nan"),
                (result.get("decode") or {}).get("speedup"))
 

@@ -9,17 +9,26 @@ is answered before Hydra runs, by ``distill.help``.
 A user's mistake is one line on stderr (``distill.errors``): a bad override is found by composing
 the config before Hydra does (with a "did you mean" from the schema), a setting that cannot work
 by ``distill.modes.checks`` (exit code 2); Ctrl-C ends in one line too (exit code 130).
+
+Only invocations that do work keep a run directory: the modes that print (``NO_DIR_MODES``) run
+with Hydra's directory switched off, and a config error found inside Hydra's job takes back the one
+Hydra made (``_discard_run_dir``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
+import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -42,6 +51,17 @@ MODES: dict[str, tuple[str, str]] = {
 NO_RUN_MODES = frozenset({"stats", "keys"})
 """Modes that run nothing to record: they neither log nor save the composed config."""
 
+CLAIMING_MODES = frozenset({"local"})
+"""Modes that record their config themselves, once they hold their checkpoint directory: a second run
+of the same settings is refused in one line, not after the whole config is logged."""
+
+NO_DIR_MODES = frozenset({"stats", "keys", "plan"})
+"""Modes that print (or write where the user says) and leave no run directory behind."""
+NO_DIR_OVERRIDES = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")
+"""What keeps Hydra from making ``outputs/<date>/<time>/`` (its ``.hydra`` and the job's log) for them."""
+HYDRA_FILES = (".hydra", "config.yaml")
+"""What Hydra and ``record_config`` put in a run directory before the mode runs (besides the job's log)."""
+
 HELP_FLAGS = frozenset({"--help", "-h"})
 """Answered by ``distill.help`` (every group and key explained); ``--hydra-help`` stays Hydra's."""
 
@@ -53,6 +73,8 @@ def main(cfg: DictConfig) -> None:
     except UserError as exc:  # here, inside Hydra's job: outside it Hydra has printed a traceback already
         if _full_traces(cfg):
             raise
+        if isinstance(exc, ConfigError):
+            _discard_run_dir()
         _fail(str(exc), exc.exit_code)
 
 
@@ -60,7 +82,7 @@ def run(cfg: DictConfig) -> None:
     """Check the config, record it, run the mode."""
     checks = importlib.import_module("distill.modes.checks")
     checks.check_config(cfg)
-    if cfg.mode not in NO_RUN_MODES:
+    if cfg.mode not in NO_RUN_MODES | CLAIMING_MODES:
         process = importlib.import_module("distill.modes.process")
         process.configure_logging(cfg)  # log_level applies to the config it logs
         process.record_config(cfg)
@@ -75,12 +97,50 @@ def cli() -> None:
     register_configs()
     if not _full_traces(None):
         _check_overrides(sys.argv[1:])
+    if _mode_of(sys.argv[1:]) in NO_DIR_MODES and not _sets_run_dir(sys.argv[1:]):
+        sys.argv += NO_DIR_OVERRIDES
     try:
         main()
     except KeyboardInterrupt:  # mode=local has stopped its processes by now (run_local's finally)
         if _full_traces(None):
             raise
         _fail(INTERRUPTED, INTERRUPTED_EXIT_CODE)
+
+
+def _mode_of(args: list[str]) -> str:
+    """The mode the command line picks (Hydra takes the last ``mode=``); the default, ``local``, else."""
+    modes = [arg.split("=", 1)[1] for arg in args if arg.startswith("mode=")]
+    return modes[-1] if modes else "local"
+
+
+def _sets_run_dir(args: list[str]) -> bool:
+    return any(arg.startswith(("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=")) for arg in args)
+
+
+def _discard_run_dir() -> None:
+    """A config error found inside Hydra's job ran nothing: take back the run directory Hydra made for
+    it, when Hydra named it (``outputs/<date>/<time>``; a directory the user named is left alone) and
+    it holds only what Hydra and ``record_config`` wrote, then the folders above it (under the working
+    directory) that are now empty."""
+    if _sets_run_dir(sys.argv[1:]) or not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    out = Path(hydra_cfg.runtime.output_dir)
+    ours = {*HYDRA_FILES, f"{hydra_cfg.job.name}.log"}
+    if not out.is_dir() or any(entry.name not in ours for entry in out.iterdir()):
+        return
+    logging.shutdown()  # Hydra's file handler holds the job's log open
+    for entry in out.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    cwd = Path.cwd()
+    for directory in (out, *out.parents):
+        if directory == cwd or not directory.is_relative_to(cwd):
+            break
+        with contextlib.suppress(OSError):  # not empty: another run's, or checkpoints
+            directory.rmdir()
 
 
 def _check_overrides(args: list[str]) -> None:

@@ -26,3 +26,8 @@ class ConfigError(UserError, ValueError):
 
 class ChildFailed(UserError, RuntimeError):
     """A process of a ``mode=local`` job exited early; the message names it and its last error line."""
+
+
+class BrokerNotFound(UserError, ConnectionError):
+    """No broker answers at the endpoint a client was given (``mode=stats``); the message names
+    the endpoint and how long it was asked."""

@@ -134,7 +134,10 @@ FLOOD_KINDS = ("maps", "oversized", "requests")
 def flood_frames(kind: str, peer_id: str, seq: int) -> list[bytes]:
     """One flood message: ``maps``, a REQUEST of ~1.9 MiB of empty maps (the cheapest bytes to
     send, the dearest to unpack); ``oversized``, the same at ~4 MiB (the protocol's old message
-    limit); ``requests``, a valid REQUEST of 8,192 fresh slots (refused, answered with its slots)."""
+    limit); ``requests``, a valid REQUEST of 8,192 fresh slots (refused, answered with its slots);
+    ``stats``, a STATS (a few bytes asking for the broker's largest answer)."""
+    if kind == "stats":
+        return protocol.encode(Command.STATS, {})
     if kind == "requests":
         return protocol.encode(Command.REQUEST, request(peer_id, medium_name(f"flood{peer_id[-4:]}"),
                                                         [[i, seq * 8192 + i] for i in range(8192)]))
@@ -144,16 +147,26 @@ def flood_frames(kind: str, peer_id: str, seq: int) -> list[bytes]:
     return [PROTOCOL_TAG, Command.REQUEST.value, body]
 
 
-def run_flooder(endpoint: str, kinds: tuple[str, ...], seconds: float, counts) -> None:
+def run_flooder(endpoint: str, kinds: tuple[str, ...], seconds: float, counts, per_s: float | None = None,
+                started=None) -> None:
     """A peer that sends flood messages of ``kinds`` in turn, as fast as the broker takes
-    them and reading none of the answers, for ``seconds``; puts what it sent into ``counts``."""
+    them (or ``per_s`` a second: on a machine of two cores a flooder that spins takes a core
+    from everyone, whatever the broker does) and reading none of the answers, for
+    ``seconds``; puts what it sent into ``counts``. Sets the event ``started`` (if any) as
+    it starts sending (its process has imported what it needs: no longer busy itself)."""
     peer_id = f"flooder-{os.getpid()}"
     peer = Peer(endpoint, peer_id)
+    if started is not None:
+        started.set()
     frames = {kind: flood_frames(kind, peer_id, 0) for kind in kinds}
     sent = dict.fromkeys(kinds, 0)
-    end = time.monotonic() + seconds
+    started = time.monotonic()
+    end = started + seconds
     try:
         while time.monotonic() < end:
+            if per_s is not None and sum(sent.values()) >= per_s * (time.monotonic() - started):
+                time.sleep(0.005)
+                continue
             for kind in kinds:
                 if kind == "requests":
                     frames[kind] = flood_frames(kind, peer_id, sent[kind] + 1)
@@ -165,3 +178,37 @@ def run_flooder(endpoint: str, kinds: tuple[str, ...], seconds: float, counts) -
     finally:
         counts.put(sent)
         peer.close()
+
+
+def run_queue_hog(endpoint: str, run_id: str, connections: int, peers_per_connection: int,
+                  slots_per_peer: int, seconds: float, counts) -> None:
+    """Issue 37's queue hog: ``connections`` free connections, each speaking for
+    ``peers_per_connection`` student peer ids of ``run_id`` (a run nobody serves), ask for
+    ``slots_per_peer`` fresh slots per peer id, again every half second; one more socket
+    beats for every one of those peer ids. Reads none of the answers; puts the slots it
+    asked for and the beats it sent into ``counts``."""
+    tag = f"hog{os.getpid()}"
+    socks = [Peer(endpoint, f"{tag}-c{c}", sndhwm=0) for c in range(connections)]
+    beats = Peer(endpoint, f"{tag}-beats", sndhwm=0)
+    peer_ids = [[f"{tag}-c{c}-p{p}" for p in range(peers_per_connection)] for c in range(connections)]
+    asked = sent_beats = round_idx = 0
+    next_ask, end = 0.0, time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if time.monotonic() >= next_ask:
+                for c, peer in enumerate(socks):
+                    for p, peer_id in enumerate(peer_ids[c]):
+                        first = (round_idx * peers_per_connection + p) * slots_per_peer
+                        peer.send(Command.REQUEST, request(peer_id, medium_name(f"{tag}c{c}"), run_id=run_id,
+                                                           slots=[[first + i, first + i] for i in range(slots_per_peer)]))
+                        asked += slots_per_peer
+                round_idx += 1
+                next_ask = time.monotonic() + 0.5
+            for peer_id in (p for ids in peer_ids for p in ids):
+                beats.send(Command.HEARTBEAT, {"peer_id": peer_id, "role": "student"})
+                sent_beats += 1
+            time.sleep(0.1)
+    finally:
+        counts.put({"asked": asked, "beats": sent_beats})
+        for peer in (*socks, beats):
+            peer.close()

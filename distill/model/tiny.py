@@ -31,6 +31,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -168,16 +169,21 @@ def _train_loop(model: torch.nn.Module, train_NT: torch.Tensor, recipe: TinyReci
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe.train_steps))
     start_s, start_cpu_s = time.perf_counter(), time.process_time()
     model.train()
-    for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
-        loss = loss_of(batch_BT)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
-            log.info("step %d/%d %s %.3f (%.1f s)", step, recipe.train_steps, what,
-                     loss.item(), time.perf_counter() - start_s)
+    bar = tqdm(total=recipe.train_steps, desc=f"pre-training the tiny {type(model).__name__}", unit="step",
+               mininterval=1.0)
+    with bar:
+        for step, batch_BT in enumerate(_batches(train_NT, recipe), start=1):
+            loss = loss_of(batch_BT)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update()
+            if step % _LOG_EVERY_STEPS == 0 or step == recipe.train_steps:
+                bar.set_postfix_str(f"{what} {loss.item():.3f}", refresh=False)
+                log.debug("step %d/%d %s %.3f (%.1f s)", step, recipe.train_steps, what,
+                          loss.item(), time.perf_counter() - start_s)
     model.eval()
     return time.perf_counter() - start_s, time.process_time() - start_cpu_s
 

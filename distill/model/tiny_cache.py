@@ -18,7 +18,9 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
+from typing import IO
 
 from distill.model.tiny_recipe import BERT_TRAIN_STEPS, TinyBertRecipe, TinyRecipe, check_recipe
 
@@ -93,19 +95,92 @@ def cache_root(cache_dir: str | None) -> str:
     return os.path.abspath(os.path.expanduser(root))
 
 
+LOCK_POLL_S = 0.5
+"""How often a process waiting for another's build tries the lock again."""
+WAIT_LOG_EVERY_S = 30.0
+"""How often it says again that it still waits, for whom and for how long."""
+
+
 @contextlib.contextmanager
 def _file_lock(lock_path: str) -> Iterator[None]:
-    """An exclusive `fcntl` lock held for the duration of the block."""
-    with open(lock_path, "a") as lock_file:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process building %s", lock_path[: -len(".lock")])
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
+    """An exclusive ``fcntl`` lock held for the duration of the block; the lock file names its
+    holder (pid and process token) while it is held, so that a process waiting for it can say
+    whom it waits for. The kernel releases a ``flock`` when its holder exits, so a dead builder
+    never blocks anyone; the lock can outlive the pid written in it only in a child that
+    inherited the descriptor, and the waiter says so."""
+    with open(lock_path, "a+") as lock_file:
+        if not _try_lock(lock_file):
+            _wait_for_lock(lock_file, lock_path)
+        _claim(lock_file)
         try:
             yield
         finally:
+            lock_file.truncate(0)  # nobody holds it: a waiter reading it now finds no stale pid
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _try_lock(lock_file: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _claim(lock_file: IO[str]) -> None:
+    """Write who holds the lock now: ``<pid> <process token>`` (``liveness.process_token``)."""
+    # Here, on a miss only: importing the pipeline imports torch, which a cache hit must not.
+    from distill.pipeline.liveness import process_token
+
+    lock_file.truncate(0)
+    lock_file.write(f"{os.getpid()} {process_token() or ''}\n")
+    lock_file.flush()
+
+
+def _wait_for_lock(lock_file: IO[str], lock_path: str) -> None:
+    """Block until the lock is ours, saying now and every ``WAIT_LOG_EVERY_S`` what we wait for."""
+    started = last_said = time.monotonic()
+    log.info("%s", _waiting_line(lock_path, 0.0))
+    while not _try_lock(lock_file):
+        time.sleep(LOCK_POLL_S)
+        now = time.monotonic()
+        if now - last_said >= WAIT_LOG_EVERY_S:
+            last_said = now
+            log.info("%s", _waiting_line(lock_path, now - started))
+    log.info("the lock %s is ours after %.0fs", lock_path, time.monotonic() - started)
+
+
+def _waiting_line(lock_path: str, waited_s: float) -> str:
+    """``waiting 1m30s for pid 4242 building <dir> (lock <path>)``, and whether that pid still runs."""
+    built = lock_path[: -len(".lock")]
+    pid, alive = lock_holder(lock_path)
+    if pid is None:
+        who = "another process"
+    elif alive is False:
+        who = f"pid {pid}, which has exited (a process that inherited its lock holds it still)"
+    else:
+        who = f"pid {pid}"
+    return f"waiting {_duration(waited_s)} for {who} building {built} (lock {lock_path})"
+
+
+def lock_holder(lock_path: str) -> tuple[int | None, bool | None]:
+    """(pid, whether it still runs) of the process the lock file names; (None, None) when it
+    names none (free, or just taken); whether it runs is None when this machine cannot tell."""
+    from distill.pipeline.liveness import process_alive
+
+    try:
+        with open(lock_path) as f:
+            fields = f.read().split()
+    except OSError:
+        return None, None
+    if not fields or not fields[0].isdigit():
+        return None, None
+    return int(fields[0]), process_alive(fields[1]) if len(fields) > 1 else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds}s" if seconds < 60 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def cached_dir(cache_dir: str | None, name: str, build: Callable[[str], None]) -> str:
@@ -118,6 +193,7 @@ def cached_dir(cache_dir: str | None, name: str, build: Callable[[str], None]) -
     with _file_lock(final_dir + ".lock"):
         if os.path.isdir(final_dir):  # another process finished while we waited
             return final_dir
+        log.info("pid %d builds %s (first use; other processes that need it wait for it)", os.getpid(), final_dir)
         _build_atomically(build, root, final_dir)
     return final_dir
 

@@ -7,6 +7,7 @@ import logging
 from omegaconf import DictConfig
 
 from distill.modes.process import configure_logging, exit_on_sigterm
+from distill.modes.stats import stats_command
 from distill.pipeline import Broker
 from distill.pipeline.mediums.shm import sweep_orphans
 from distill.train.transport import broker_kwargs
@@ -20,6 +21,7 @@ def run_broker(cfg: DictConfig) -> None:
     exit_on_sigterm()
     sweep_orphans()
     broker = Broker(**broker_kwargs(cfg))
+    log.info("this broker's counters: %s", stats_command(cfg))
     try:
         broker.run()
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
 from distill.train.sizing import DTYPE_BYTES, ModelShape, e2e_rank_floor, shm_bytes
 from distill.train.stages import max_positions, stage_layout
+from distill.train.tracking import check_tracking
 from distill.train.transport import curve_config
 
 MAX_SLEEP_PER_BATCH_S = 60.0
@@ -61,6 +62,8 @@ def _check_all(cfg: DictConfig) -> None:
     _check_memory(cfg)
     if cfg.mode == Mode.eval:
         _check_eval(cfg)
+    if cfg.mode in (Mode.student, Mode.local):
+        check_tracking(cfg)  # the library of tracking=X is installed (its rank 0 student logs)
     _check_auth(cfg)
 
 

@@ -6,7 +6,8 @@ overrides plus a run id, a private socket directory and this job's run directory
 so a sweep's jobs never share sockets or shared memory. While the job runs, its run
 directory holds ``add_worker.sh``: the same worker command, so more teachers can join
 the running job (``sh <run dir>/add_worker.sh device.worker_gpu=3``; they get work
-within a heartbeat, and stop with the job). The children start together; the students
+within a heartbeat, and stop with the job), and its log prints the ``mode=stats`` command
+that reaches the job's broker in that private directory. The children start together; the students
 are told the broker's process (``pipeline.broker_pid``), so they wait for a broker that is
 still starting (it may take minutes on a loaded machine) and fail at once if it exits.
 The supervisor waits for the students; on success, Ctrl-C, SIGTERM, or any child
@@ -43,7 +44,14 @@ from omegaconf import DictConfig
 from distill.errors import ChildFailed
 from distill.model.location import teacher_source
 from distill.modes.placement import plan_local
-from distill.modes.process import configure_logging, die_with_parent, exit_on_sigterm, run_dir
+from distill.modes.process import (
+    configure_logging,
+    die_with_parent,
+    exit_on_sigterm,
+    record_config,
+    run_dir,
+)
+from distill.modes.stats import stats_command
 from distill.pipeline import protocol
 from distill.pipeline.auth import AuthError, CurveConfig, secure_client
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
@@ -51,7 +59,8 @@ from distill.pipeline.leadership import run_secret
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
 from distill.pipeline.protocol import Command
 from distill.results.record import add_time_split, read_result
-from distill.results.report_file import append_section
+from distill.results.report_file import TIME_HEADING, replace_section
+from distill.train.checkpoint import checkpoint_dir, hold_checkpoint_dir
 from distill.train.timing import cpu_seconds, format_time_split, read_teacher_times, time_split
 from distill.train.transport import ADD_WORKER_SCRIPT, curve_config, endpoints
 
@@ -99,9 +108,11 @@ def run_local(cfg: DictConfig) -> None:
     configure_logging(cfg)
     exit_on_sigterm()
     run_id = cfg.run_id or new_run_id()
+    source = teacher_source(cfg)  # builds the tiny teacher (or converts a GGUF one) once, before any child needs it
+    claim = hold_checkpoint_dir(checkpoint_dir(cfg))  # a second run with the same settings stops here
+    record_config(cfg)  # once the run is ours (distill.__main__.CLAIMING_MODES)
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
-    source = teacher_source(cfg)  # builds the tiny teacher (or converts a GGUF one) once, before any child needs it
     log.info("run %s: teacher %s, %d worker(s), %d student rank(s); run dir %s", run_id, source,
              cfg.local.num_workers, cfg.local.num_students, out)
     placement = plan_local(cfg, torch.cuda.device_count())  # checked at start-up already
@@ -119,6 +130,7 @@ def run_local(cfg: DictConfig) -> None:
         broker = _spawn("broker", ["mode=broker", *common, "hydra.job.name=broker"], out)
         children.append(broker)
         _write_add_worker(add_worker, common)
+        log.info("this run's broker counters: %s", stats_command(cfg, socket_dir))
         for i in range(cfg.local.num_workers):
             children.append(_spawn(f"worker{i}", ["mode=worker", *common, f"hydra.job.name=worker{i}"], out))
         children.append(_spawn("students", ["mode=student", *common, *student_gpus, *_student_overrides(broker),
@@ -133,6 +145,7 @@ def run_local(cfg: DictConfig) -> None:
         _stop_all(children, control, curve_config(cfg), secret)
         shutil.rmtree(socket_dir, ignore_errors=True)
         sweep_orphans(min_age_s=0)
+        claim.close()  # the next run of these settings may start
 
 
 def _write_add_worker(path: Path, common: list[str]) -> None:
@@ -158,7 +171,7 @@ def _report_time_split(out: Path, broker: Child, wall_s: float, num_workers: int
     rows = time_split(wall_s, student, teachers, cpu_seconds(broker.proc.pid))
     table = format_time_split(rows, wall_s, max(num_workers, len(teachers)))
     log.info("where the time went:\n%s", table)
-    append_section(str(out), table)
+    replace_section(str(out), TIME_HEADING, table)
     add_time_split(out, wall_s, rows)
 
 

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.train.modules import build_replacement
-from distill.train.progress import duration
+from distill.train.progress import duration, e2e_step_estimate_s
 from distill.train.stages import stage_layout
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def project(cfg: DictConfig, num_layers: int, timings: Timings) -> list[Row]:
     if student.e2e.steps > 0:
         full_s = num_layers * timings.teacher_layer_per_sample_s * samples
         rows.append(Row("end-to-end stage (at least: forward and backward of the model only)", 1,
-                        int(student.e2e.steps), full_s / workers + 3 * full_s, "student"))
+                        int(student.e2e.steps), e2e_step_estimate_s(full_s, workers), "student"))
     heldout = min(cfg.data.max_heldout_chunks or 10**9, 10**9)
     batches = max(1, -(-heldout // student.micro_batch_size)) if cfg.evaluate else 0
     if batches and heldout < 10**9:

@@ -22,10 +22,12 @@ def run_student(cfg: DictConfig) -> None:
     exit_on_sigterm()
     ctx = setup_context(cfg, run_dir())
     ctx.timings["student_start_s"] = process_age_s()
+    failed = True
     try:
         train_all(ctx)
         if ctx.leader:
             finish_run(ctx)
         barrier(ctx)
+        failed = False
     finally:
-        close_context(ctx)
+        close_context(ctx, failed)

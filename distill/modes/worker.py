@@ -42,8 +42,8 @@ def run_worker(cfg: DictConfig) -> None:
     configure_logging(cfg)
     exit_on_sigterm()
     worker = build_worker(cfg)
-    log.info("teacher worker ready (%d-byte samples, batches of up to %d)", worker.slot_size,
-             worker.max_batch)
+    log.info("teacher worker ready (%d-byte samples, batches of up to %d); waiting for work from the broker at %s",
+             worker.slot_size, worker.max_batch, worker.backend_endpoint)
     writer = TimingWriter(worker.batch_fn.snapshot, run_dir() / f"teacher_time.{os.getpid()}.json").start()
     try:
         worker.run()

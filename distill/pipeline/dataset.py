@@ -215,8 +215,9 @@ class DistillIterableDataset(IterableDataset):
                                    "are the broker and workers running, and was set_model called?")
             if now - last_warning > WARN_EVERY_S:
                 last_warning = now
-                log.warning("waiting %.0fs for samples (generation %d): are workers running, and has "
-                            "the leader called set_model?", now - started, self._generation())
+                log.warning("waiting %.0fs for samples (generation %d) from the broker at %s, which %s: are "
+                            "workers running, and has the leader called set_model?", now - started,
+                            self._generation(), self.frontend_endpoint, _workers_seen(pool.heart.workers))
 
     def _samples(self, pool: SlotPool) -> Iterator[dict[str, torch.Tensor]]:
         """One sample per item: every slot ready is taken at once, so the requests and
@@ -307,6 +308,13 @@ class DistillIterableDataset(IterableDataset):
                 batch.update(generation=torch.tensor(gens), request_id=torch.tensor(reqs),
                              source=torch.full((len(slots),), pool.source_id), fill=torch.tensor(fills))
             yield batch
+
+
+def _workers_seen(workers: int | None) -> str:
+    """What the broker's last heartbeat answer said of its teacher workers."""
+    if workers is None:
+        return "has not answered a heartbeat yet"
+    return f"has {workers} live worker{'s' if workers != 1 else ''}"
 
 
 def _check_pin_memory(pin_memory: bool, batch_size: int | None, reuse_batches: bool) -> None:

@@ -41,10 +41,24 @@ BROKER_SILENCE_S = 10.0
 the broker's process)."""
 BROKER_WAIT_S = 600.0
 """The longest a call waits for the broker's answer, however alive the broker looks."""
+WAIT_LOG_EVERY_S = 15.0
+"""A call still waiting for the broker says so this often: for what, where, how long, and the
+broker's signs of life (a broker starting on a loaded machine may take minutes)."""
+
+
+BEAT_SUFFIX = b"/beat"
+"""Ends the routing identity of a peer's heartbeat socket (:func:`beat_identity`)."""
 
 
 def new_peer_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:12]}"
+
+
+def beat_identity(identity: bytes) -> bytes:
+    """The routing identity of the heartbeat socket of the connection ``identity`` (a
+    peer's own routing identity is its peer id): the broker lets a heartbeat keep alive
+    only the peers of the connection it comes from, or of that connection's beat socket."""
+    return identity + BEAT_SUFFIX
 
 
 class Heartbeater:
@@ -94,6 +108,7 @@ class Heartbeater:
     def _run(self) -> None:
         ctx = zmq.Context.instance()
         sock = secure_client(protocol.configure(ctx.socket(zmq.DEALER), hwm=10), self.keys)
+        sock.setsockopt(zmq.ROUTING_ID, beat_identity(self.peer_id.encode()))
         sock.setsockopt(zmq.SNDTIMEO, int(self.interval_s * 1000))  # no route to the broker: skip a beat
         watch = HandshakeWatch(sock) if self.keys is not None else None
         sock.connect(self.endpoint)
@@ -293,10 +308,11 @@ class BrokerWait:
         self.what = f"{caller}: no answer to {command.name} from the broker at {endpoint}"
         """What is missing, as the errors say it."""
         self.refused_what = f"{caller}: the broker at {endpoint} refused {command.name}"
+        self.waiting_what = f"{caller}: waiting for the broker at {endpoint} to answer {command.name}"
         self.heart = heart
         self.patience = patience
         self.limit_s = patience.max_wait_s if timeout_s is None else min(timeout_s, patience.max_wait_s)
-        self.started = time.monotonic()
+        self.started = self._last_said = time.monotonic()
         self.last_heard: float | None = None
         """When something last came on the call's own socket (None: nothing yet)."""
 
@@ -324,6 +340,10 @@ class BrokerWait:
         if not runs and silent_s >= patience.silence_s:
             raise TimeoutError(f"{self.what}: nothing heard from the broker for {patience.silence_s:.0f}s; is "
                                "`python -m distill mode=broker` running?")
+        if now - self._last_said >= WAIT_LOG_EVERY_S:
+            self._last_said = now
+            log.info("%s: %.0fs so far (%s; giving up after %.0fs)", self.waiting_what, waited_s,
+                     self._signs(runs, now), self.limit_s)
 
     def _heard_at(self) -> float | None:
         """When the broker was last heard from, here or by the heartbeats (None: never)."""

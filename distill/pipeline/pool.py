@@ -199,6 +199,9 @@ class SlotPool:
         self._met_broker = False
         self._warned_silent = False
         self._refusals = LogThrottle(log)
+        self._model_cfg: tuple[str, dict] | None = None
+        """(digest, model_cfg) of the last WELCOME that carried one: the broker sends a run's
+        cfg once per connection and model (``protocol.py``), then only its digest."""
         self.delivery = Delivery(self)
         """Takes completions in (``delivery.py``)."""
         self.custody = Custody(self)
@@ -415,8 +418,20 @@ class SlotPool:
                 log.error("%s: broker refused %s: %s", self.peer_id, msg.body.get("command"),
                           msg.body["reason"])
         elif msg.command is Command.WELCOME:
-            return msg.body
+            return self._welcomed(msg.body)
         return None
+
+    def _welcomed(self, welcome: dict[str, Any]) -> dict[str, Any]:
+        """A WELCOME's body, its ``model_cfg`` filled in from our copy where the broker left
+        it out (it named the digest of the cfg it sent us before)."""
+        digest = welcome.get("model_digest")
+        if digest is None:
+            return welcome
+        if "model_cfg" in welcome:
+            self._model_cfg = (digest, welcome["model_cfg"])
+        elif self._model_cfg is not None and self._model_cfg[0] == digest:
+            welcome = {**welcome, "model_cfg": self._model_cfg[1]}
+        return welcome
 
     def _wait_network(self, timeout_s: float) -> None:
         """Wait for broker messages and sample data at once; take in what came."""

@@ -87,12 +87,23 @@ its payload into every copy's slot, whose header still carries the copy's own
 request id and generation. A WORK without ``runs`` is the plain, one-run WORK; one of
 an opted-in run says ``shared``, and its worker offers no direct requests for it (they
 would bypass the broker, which could then never share that run's samples).
+
+Replies are bounded (``broker/service.py``): no small request buys a large answer. A
+WELCOME carries the run's ``model_cfg`` once per connection and model: it always says the
+cfg's ``model_digest`` (:func:`cfg_digest`), and leaves the cfg itself out when this
+connection was already sent the cfg of that digest for the run (the client keeps its copy,
+``pool.py``). STATS_REPLY names at most STATS_TOP_RUNS runs in ``per_run`` (the busiest,
+plus the run STATS.run_id names; ``runs`` counts them all), from a snapshot rebuilt at most
+so often. The broker queues at most BROKER_REPLY_HWM unread replies per student or leader
+connection; a reply that does not fit is dropped (STATS ``dropped_replies``) and the
+connection's students are forgotten, as if they had missed their heartbeats.
 """
 
 from __future__ import annotations
 
 import enum
 import gc
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +111,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
@@ -119,7 +130,9 @@ it holds DIRECT work is given up on, ``broker/deadline.py``); a version-6 broker
 refuse every such heartbeat and purge the worker as silent).
 8: SET_MODEL.leader_secret, STOP.leader_secret and MODEL_SET.leader_epoch (a run's leader is
 whoever holds its secret, ``broker/control.py``); a version-7 broker would refuse every
-switch, a version-7 leader would be refused by every broker)."""
+switch, a version-7 leader would be refused by every broker.
+9: WELCOME.model_digest, and WELCOME.model_cfg only the first time a connection is
+welcomed to a model; a version-8 student would refuse every WELCOME)."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
@@ -152,6 +165,9 @@ MAX_MAPS = 2 * MAX_CFG_NODES
 UNCOUNTED_BODY_BYTES = 4096
 """Bodies up to this size are unpacked without counting (they cannot hold more than
 this many objects, a few hundred KiB at worst): the hot path stays as fast as before."""
+STATS_TOP_RUNS = 32
+"""Runs named in a STATS_REPLY's ``per_run`` (the busiest ones, plus the one STATS.run_id
+names): the answer weighs the same for 1 run or 1,000."""
 
 
 class Command(bytes, enum.Enum):
@@ -208,6 +224,7 @@ class Message:
 SCHEMA: dict[Command, dict[str, str]] = {
     Command.HELLO: {"run_id": "str", "peer_id": "str", "rank": "int?"},
     Command.WELCOME: {"run_id": "str", "generation": "int", "model_id": "str?", "model_cfg": "dict?",
+                      "model_digest": "str?",
                       "heartbeat_interval_ms": "int"},
     Command.REQUEST: {"run_id": "str", "peer_id": "str", "generation": "int", "medium": "str",
                       "stride": "int", "slots": "slots"},
@@ -261,6 +278,11 @@ def encode(command: Command, body: dict[str, Any] | None = None) -> list[bytes]:
     body = {} if body is None else body
     _validate(command, body, check_items=False)
     return [PROTOCOL_TAG, command.value, msgpack.packb(body, use_bin_type=True)]
+
+
+def cfg_digest(model_cfg: dict) -> str:
+    """What names a ``model_cfg`` in WELCOME.model_digest: a hash of its packed bytes."""
+    return hashlib.blake2b(msgpack.packb(model_cfg, use_bin_type=True), digest_size=16).hexdigest()
 
 
 def decode(frames: list[bytes]) -> Message:
@@ -534,9 +556,15 @@ DEFAULT_HWM = 100_000
 """Students' and workers' sockets: far above what a peer ever has outstanding
 (a student: one message per slot it owns; a worker: one per slot of credit)."""
 BROKER_SNDHWM = 16_384
-"""Broker, per peer. A student is owed at most one COMPLETE per slot it queued, so
-this must stay above the broker's ``max_queued_per_student``; past it the broker's
-ROUTER drops (what it drops is then ERRORs to a peer that floods and never reads)."""
+"""Broker's backend (workers) and broadcasts, per peer: a worker is owed at most one WORK
+per slot of its credit; past it the ROUTER drops."""
+BROKER_REPLY_HWM = 1024
+"""Broker's frontend and control, per connection: replies queued for a peer that does not
+read them (ZeroMQ's I/O thread moves a reading peer's replies into its own receive queue,
+DEFAULT_HWM deep, whether or not the application has read them yet). These sockets are
+ROUTER_MANDATORY and never wait: a reply that does not fit is dropped and its connection
+is dropped too (``broker/service.py``), so a peer that floods requests and reads nothing
+can park at most this many bounded replies in the broker."""
 BROKER_RCVHWM = 16
 """Broker, per peer: messages ZeroMQ holds for it before it stops reading from that peer
 (whose sends then wait). A peer has a few messages on their way at most (a worker one

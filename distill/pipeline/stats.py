@@ -73,6 +73,9 @@ class BrokerStats:
     """Messages whose handling raised (a bug, logged with the peer; the broker serves on)."""
     throttled: int = 0
     """Refusals answered without naming their slots (``limits.EchoBudget``)."""
+    dropped_replies: int = 0
+    """Replies not sent because their connection had BROKER_REPLY_HWM unread ones (a peer
+    that does not read: its students were forgotten, ``broker/service.py``)."""
     workers: int = 0
     students: int = 0
     runs: int = 0
@@ -80,6 +83,9 @@ class BrokerStats:
     requested_per_s: float = 0.0
     uptime_s: float = 0.0
     per_run: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Run id -> its model, generation and counts. In a STATS_REPLY at most
+    ``protocol.STATS_TOP_RUNS`` runs (the busiest, and the one STATS.run_id names); ``runs``
+    counts them all."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

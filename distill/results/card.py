@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from distill.results.numbers import format_column, signed_percent
+
 CARD_FILE = "README.md"
 
 _KIND_TAGS = {"LinearAttentionLayer": "linear-attention", "ResidualMLP": "residual-mlp", "PrunedLayer": "pruning",
@@ -118,10 +120,11 @@ def _quality(facts: dict) -> str:
         return ""
     metric = "perplexity (lower is better)" if result["kind"] == "lm" else "cosine of final hidden states"
     gap = result["student"] / result["teacher"] - 1
+    teacher, student = format_column([result["teacher"], result["student"]])  # a gap never prints as none
     return "\n".join([
         "## Quality", "", f"Held-out {metric} over {result['num_tokens']:,} tokens not trained on.", "",
-        "| model | held-out |", "| --- | --- |", f"| teacher | {_fmt(result['teacher'])} |",
-        f"| this student | {_fmt(result['student'])} |", f"| relative gap | {gap:+.2%} |"])
+        "| model | held-out |", "| --- | --- |", f"| teacher | {teacher} |",
+        f"| this student | {student} |", f"| relative gap | {signed_percent(gap)} |"])
 
 
 def _speed(facts: dict) -> str:

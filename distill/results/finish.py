@@ -13,7 +13,8 @@ import logging
 import os
 
 import torch
-from omegaconf import OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distill.model.assemble import export_student, load_student
@@ -26,6 +27,7 @@ from distill.replacements import describe
 from distill.results.card import write_model_card
 from distill.results.record import write_result
 from distill.results.report import read_metrics, write_report
+from distill.train.checkpoint import replacement_option
 from distill.train.context import METRICS_FILE, StudentContext
 from distill.train.e2e import e2e_finished, load_e2e_student
 from distill.train.hybrid import read_choice
@@ -54,8 +56,7 @@ def finish_run(ctx: StudentContext) -> None:
         log.info("student exported to %s  (load it: from distill import load_student; "
                  "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
-    summary = {"teacher": teacher_source(cfg), "replacement": cfgs[min(cfgs)].get("_target_"),
-               "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
+    summary = {**chosen_options(cfg), "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
                "schedule": cfg.student.schedule, "layers_per_stage": cfg.student.layers_per_stage,
                "world_size": ctx.world_size,
                "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
@@ -79,6 +80,8 @@ def finish_run(ctx: StudentContext) -> None:
             decode = decode_figures(teacher.model, load_student(out, device=str(teacher.device)))
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
+    summary.update(restored_stages(metrics, [list(s.layers) for s in ctx.stages if s.kind == "layers"],
+                                   ctx.checkpoint_dir))
     report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
                           ctx.timings, hybrid=hybrid, decode=decode)
     write_result(ctx.out_dir, {
@@ -86,11 +89,43 @@ def finish_run(ctx: StudentContext) -> None:
         "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
         "final_val": _final_val(metrics), **({"hybrid": hybrid} if hybrid is not None else {})})
     write_model_card(out, {
-        "teacher": summary["teacher"], "causal": teacher.causal and metric_kind(teacher) == "lm",
+        "teacher": summary["teacher_source"], "causal": teacher.causal and metric_kind(teacher) == "lm",
         "layers": cfgs, "num_layers": teacher.num_layers, "describe": rows,
         "data": OmegaConf.to_container(cfg.data, resolve=True), "train_tokens": summary["train_tokens"],
         "eval": result.to_dict() if result else None, "decode": decode})
+    ctx.log_metrics(eval_record(result, decode, ctx.timings))  # after the report read metrics.jsonl
     log.info("report written to %s", report)
+
+
+SUPERVISOR_KEYS = ("hydra.", "mode=", "run_id=", "pipeline.socket_dir=", "pipeline.broker_pid=",
+                   "device.student_gpus=")
+"""Overrides ``mode=local`` adds to its children's command lines: not what the user typed."""
+
+
+def chosen_options(cfg: DictConfig) -> dict[str, str]:
+    """What the user typed: the command's overrides and the option picked in each group
+    (``teacher=tiny_llama``, ``replacement=linear_attention``), not the class paths and cache
+    directories they became; the teacher's source (a directory or hub name) as its own key."""
+    source = teacher_source(cfg)
+    options = {"teacher": source, "replacement": replacement_option(cfg)}
+    command = "python -m distill"
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        choices = hydra_cfg.runtime.choices
+        options.update({group: str(choices[group]) for group in ("teacher", "replacement", "data")
+                        if choices.get(group)})
+        typed = [o for o in hydra_cfg.overrides.task if not o.startswith(SUPERVISOR_KEYS)]
+        command = " ".join([command, *typed])
+    return {"command": command, **options, "teacher_source": source}
+
+
+def restored_stages(metrics: list[dict], stages: list[list[int]], checkpoint_dir: object) -> dict:
+    """The layers whose stage this run did not train (no ``stage_end`` in its metrics: it came finished
+    from the checkpoint directory, maybe another run's), with that directory; {} when it trained all."""
+    trained = {tuple(m.get("layers") or []) for m in metrics
+               if m.get("event") == "stage_end" and m.get("kind") != "score"}
+    restored = sorted(layer for layers in stages if layers and tuple(layers) not in trained for layer in layers)
+    return {"restored_layers": restored, "checkpoint_dir": str(checkpoint_dir)} if restored else {}
 
 
 def decode_figures(teacher_model, student_model, context: int = DECODE_CONTEXT) -> dict:
@@ -132,6 +167,13 @@ def _rescored_after_e2e(ctx: StudentContext, layer_stages: EvalResult, base: Tea
         result.student = score_student(base, final, ctx.heldout_NT, batch_size)
     result.per_layer_layer_stages = layer_stages.per_layer
     return result
+
+
+def eval_record(result: EvalResult | None, decode: dict | None, timings: dict[str, float]) -> dict:
+    """The run's final figures as a metrics.jsonl event (``eval``, of no stage), so the experiment
+    tracker gets them too: the held-out scores, decoding, and the time per phase."""
+    return {"event": "eval", **(result.to_dict() if result else {}), "decode": decode or {},
+            "timings": dict(timings)}
 
 
 def _run_metrics(path: str) -> list[dict]:

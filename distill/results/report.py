@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections import defaultdict
 from typing import Any
@@ -25,7 +24,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from distill.model.evaluate import EvalResult
-from distill.results.report_file import REPORT_FILE
+from distill.results.numbers import MISSING, column_format, ratio_to_one, signed_percent
+from distill.results.report_file import REPORT_FILE, TIME_HEADING
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ TABLE_HEADER = (
 BEFORE_E2E_HEADER = " spliced-alone, after the layer stages |"
 """The extra column of a run with an end-to-end stage (the metric column is then the final student's)."""
 _METRIC_NAMES = {"lm": "perplexity", "encoder": "cosine similarity of final hidden states"}
-_MISSING = "–"
+_MISSING = MISSING
 
 
 # ---------------------------------------------------------------------- metrics
@@ -86,6 +86,17 @@ def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]
     return dict(sorted(curves.items()))
 
 
+def _val_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
+    """{layer: (steps, validation losses on teacher inputs)} from the val events."""
+    curves: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+    for record in _events(_of_layer_stages(metrics), "val"):
+        for idx, loss in (record.get("layer_losses") or {}).items():
+            steps, losses = curves[int(idx)]
+            steps.append(int(record["step"]))
+            losses.append(float(loss))
+    return dict(sorted(curves.items()))
+
+
 def _final_val_losses(metrics: list[dict], student_inputs: bool = False) -> dict[int, float]:
     """{layer: its final validation loss} on teacher inputs (or the student's own), from val
     events or the stage_end's record (which holds the weights the stage kept)."""
@@ -113,7 +124,8 @@ def _tokens_used(metrics: list[dict]) -> dict[int, int]:
 
 
 def plot_losses(metrics: list[dict], out_png: str) -> str:
-    """Per-layer training loss curves (log y) and final validation losses; returns `out_png`.
+    """Per-layer training (lines) and validation (dashed, dots) loss curves, log y, and final
+    validation losses; returns `out_png`.
 
     Drawn on a bare `Figure` with the Agg canvas, never through pyplot, so it changes
     no global matplotlib state and needs no display.
@@ -121,25 +133,34 @@ def plot_losses(metrics: list[dict], out_png: str) -> str:
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     curves_ax, bars_ax = fig.subplots(1, 2, width_ratios=(2, 1))
-    _draw_curves(curves_ax, _train_curves(metrics))
+    _draw_curves(curves_ax, _train_curves(metrics), _val_curves(metrics))
     _draw_val_bars(bars_ax, _final_val_losses(metrics))
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, dpi=110)
     return out_png
 
 
-def _draw_curves(ax: Any, curves: dict[int, tuple[list[int], list[float]]]) -> None:
-    """One line per layer, x = step within its stage; log y when every loss is positive."""
-    for idx, (steps, losses) in curves.items():
-        ax.plot(steps, losses, label=f"layer {idx}", linewidth=1.2)
-    values = [loss for _, losses in curves.values() for loss in losses]
+def _draw_curves(ax: Any, curves: dict[int, tuple[list[int], list[float]]],
+                 val_curves: dict[int, tuple[list[int], list[float]]] | None = None) -> None:
+    """One line per layer, x = step within its stage, and its validation losses dashed in the
+    same colour; log y when every loss is positive."""
+    val_curves = val_curves or {}
+    for idx in sorted(set(curves) | set(val_curves)):
+        color = f"C{idx % 10}"
+        if idx in curves:
+            ax.plot(*curves[idx], label=f"layer {idx}", linewidth=1.2, color=color)
+        if idx in val_curves:
+            ax.plot(*val_curves[idx], label=f"layer {idx} (val)", linewidth=1.2, linestyle="--", marker=".",
+                    color=color)
+    values = [loss for series in (curves, val_curves) for _, losses in series.values() for loss in losses]
     if values and min(values) > 0:
         ax.set_yscale("log")
-    if not curves:
+    if not curves and not val_curves:
         ax.text(0.5, 0.5, "no training events", ha="center", va="center", transform=ax.transAxes)
     elif len(curves) <= 16:
         ax.legend(fontsize="small", ncols=2)
-    ax.set(title="training loss per layer", xlabel="step within stage", ylabel="loss")
+    ax.set(title="training (solid) and validation (dashed) loss per layer", xlabel="step within stage",
+           ylabel="loss")
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -180,23 +201,23 @@ def write_report(
     if isinstance(eval_result, dict):
         eval_result = EvalResult.from_dict(eval_result) if eval_result else None
     os.makedirs(run_dir, exist_ok=True)
-    plot_losses(metrics, os.path.join(run_dir, PLOT_FILE))
+    fmt = _metric_format(eval_result, metrics, config_summary)
     sections = [
         "# Distillation report",
         _config_section(config_summary),
-        _overall_section(eval_result, decode),
+        _overall_section(eval_result, decode, fmt),
         _layer_section(metrics, eval_result, describe_rows,
-                       eval_result.per_layer_layer_stages if eval_result is not None else None),
+                       eval_result.per_layer_layer_stages if eval_result is not None else None, fmt),
     ]
     if hybrid:
         sections.append(_hybrid_section(hybrid, eval_result))
         plot_hybrid(hybrid, eval_result, os.path.join(run_dir, HYBRID_PLOT_FILE))
-    quality = _quality_section(metrics, config_summary)
+    quality = _quality_section(metrics, config_summary, fmt)
     if quality:
         sections.append(quality)
     if timings:
         sections.append(_timing_section(timings))
-    sections.append(f"## Losses\n\n![training and validation losses]({PLOT_FILE})")
+    sections.append(_losses_section(run_dir, metrics, config_summary))
     path = os.path.join(run_dir, REPORT_FILE)
     with open(path, "w") as f:
         f.write("\n\n".join(sections) + "\n")
@@ -204,26 +225,74 @@ def write_report(
     return path
 
 
+def _losses_section(run_dir: str, metrics: list[dict], config_summary: dict) -> str:
+    """losses.png when this run trained or validated a stage; else why there are no curves (every
+    stage came finished from its checkpoints: they are in the run that trained them)."""
+    if _events(metrics, "train") or _events(metrics, "val"):
+        plot_losses(metrics, os.path.join(run_dir, PLOT_FILE))
+        restored = restored_note(config_summary)
+        note = f"\n\nNot drawn: {restored}" if restored else ""
+        return f"## Losses\n\n![training and validation losses]({PLOT_FILE}){note}"
+    return f"## Losses\n\nNo curves: {restored_note(config_summary) or 'this run logged no training step.'}"
+
+
+def restored_note(config_summary: dict) -> str:
+    """One sentence on the stages this run reused from checkpoints instead of training them, if any."""
+    restored = config_summary.get("restored_layers")
+    if not restored:
+        return ""
+    where = config_summary.get("checkpoint_dir")
+    return (f"layers {restored} were not trained by this run: their finished stages were reused from "
+            f"`{where}`, so their training curves and validation losses are in the report of the run that "
+            "trained them.")
+
+
+CONFIG_KEYS = ("command", "teacher", "replacement", "data", "layers", "steps_per_stage", "schedule",
+               "layers_per_stage", "inputs", "e2e_steps", "world_size", "kept_layers", "train_tokens",
+               "restored_layers", "checkpoint_dir", "teacher_source")
+"""The configuration table's rows, in order: what the user chose first (the command and the options it
+picked), then what the run made of it. Other summary keys are figures reported elsewhere."""
+
+
 def _config_section(config_summary: dict) -> str:
-    """Key/value table of the run's configuration, nested keys dotted."""
-    rows = [f"| `{key}` | {_cell(value)} |" for key, value in _flatten(config_summary).items()]
+    """Key/value table of the run's configuration: the options as typed, then the facts of the run."""
+    keys = [key for key in CONFIG_KEYS if key in config_summary]
+    keys += [key for key in config_summary if key not in CONFIG_KEYS and key != "student_after_layer_stages"]
+    flat = _flatten({key: config_summary[key] for key in keys})
+    rows = [f"| `{key}` | {_code(value) if key == 'command' else _cell(value)} |" for key, value in flat.items()]
     return "\n".join(["## Configuration", "", "| key | value |", "| --- | --- |", *rows])
 
 
-def _overall_section(result: EvalResult | None, decode: dict | None = None) -> str:
+def _code(text: Any) -> str:
+    return "`" + str(text).replace("|", "\\|").replace("`", "'") + "`"
+
+
+def _metric_format(result: EvalResult | None, metrics: list[dict], config_summary: dict) -> Any:
+    """One precision for every held-out metric of the report (teacher, student, spliced-alone
+    layers, end-to-end steps): the fewest digits at which each figure that differs prints differently."""
+    values: list[Any] = [config_summary.get("student_after_layer_stages")]
+    if result is not None:
+        values += [result.teacher, result.student, result.identity, *result.per_layer.values(),
+                   *(result.per_layer_layer_stages or {}).values()]
+    values += [m.get("ppl", m.get("cosine")) for m in _events(metrics, "e2e_val")]
+    return column_format(values)
+
+
+def _overall_section(result: EvalResult | None, decode: dict | None = None, fmt: Any = None) -> str:
     """Teacher vs student on held-out data, with the relative gap, and (decoders) what each
     costs at decoding with a long context: where the student wins."""
     if result is None:
         return "## Teacher vs student\n\nNot evaluated (`evaluate=false` or no held-out data)."
+    fmt = fmt or _metric_format(result, [], {})
     metric = _METRIC_NAMES.get(result.kind, result.kind)
-    identity = ([f"| replaced layers skipped (identity baseline) | {_fmt(result.identity)} |"]
+    identity = ([f"| replaced layers skipped (identity baseline) | {fmt(result.identity)} |"]
                 if result.identity is not None else [])
     if not decode:
         return "\n".join([
             "## Teacher vs student", "", f"Held-out {metric} over {result.num_tokens:,} tokens.", "",
-            "| model | metric |", "| --- | --- |", f"| teacher | {_fmt(result.teacher)} |",
-            f"| student (all replacements) | {_fmt(result.student)} |",
-            f"| relative gap (student / teacher - 1) | {result.relative_gap:+.2%} |", *identity])
+            "| model | metric |", "| --- | --- |", f"| teacher | {fmt(result.teacher)} |",
+            f"| student (all replacements) | {fmt(result.student)} |",
+            f"| relative gap (student / teacher - 1) | {signed_percent(result.relative_gap)} |", *identity])
     teacher, student = decode["teacher"], decode["student"]
     context = f"{teacher['context']:,}"
     return "\n".join([
@@ -233,10 +302,10 @@ def _overall_section(result: EvalResult | None, decode: dict | None = None) -> s
         "loaded back from its directory).", "",
         f"| model | {metric} | decode ms/token @ {context} | cache / state MiB @ {context} |",
         "| --- | --- | --- | --- |",
-        f"| teacher | {_fmt(result.teacher)} | {teacher['ms_per_token']:.2f} | {_mib(teacher['cache_bytes'])} |",
-        f"| student (all replacements) | {_fmt(result.student)} | {student['ms_per_token']:.2f} | "
+        f"| teacher | {fmt(result.teacher)} | {teacher['ms_per_token']:.2f} | {_mib(teacher['cache_bytes'])} |",
+        f"| student (all replacements) | {fmt(result.student)} | {student['ms_per_token']:.2f} | "
         f"{_mib(student['cache_bytes'])} |",
-        f"| student / teacher | {result.relative_gap + 1:.3f}x ({result.relative_gap:+.2%}) | "
+        f"| student / teacher | {ratio_to_one(result.relative_gap + 1)}x ({signed_percent(result.relative_gap)}) | "
         f"{1 / decode['speedup']:.3f}x ({decode['speedup']:.2f}x faster) | "
         f"{1 / decode['cache_ratio']:.4f}x ({decode['cache_ratio']:.0f}x smaller) |",
         *(f"{row} {_MISSING} | {_MISSING} |" for row in identity)])
@@ -248,7 +317,7 @@ def _mib(num_bytes: int) -> str:
 
 def _layer_section(
     metrics: list[dict], result: EvalResult | None, describe_rows: dict[int, dict],
-    before_e2e: dict[int, float] | None = None,
+    before_e2e: dict[int, float] | None = None, fmt: Any = None,
 ) -> str:
     """One row per replaced layer, then a total row of the cost ratios and tokens; after an
     end-to-end stage, the layer-stage students' spliced-alone metric in a last column."""
@@ -259,24 +328,29 @@ def _layer_section(
         _final_val_losses(metrics, student_inputs=True),
         result.per_layer if result is not None else {},
     ]
+    fmt = fmt or _metric_format(result, metrics, {})
     tokens = _tokens_used(metrics)
-    header, total = TABLE_HEADER, _total_row(describe_rows, metrics)
+    params, flops = _total_ratios(describe_rows)
+    formats = [column_format([*columns[0].values(), params]), column_format([*columns[1].values(), flops]),
+               column_format(columns[2].values()), column_format(columns[3].values()), fmt]
+    header, total = TABLE_HEADER, _total_row(formats[0](params), formats[1](flops), metrics)
     if before_e2e:
         header, total = header + BEFORE_E2E_HEADER, total + f" {_MISSING} |"
     layer_idxs = sorted({idx for column in columns for idx in column} | set(tokens))
     rows = []
     for idx in layer_idxs:
-        cells = [str(idx), *(_fmt(column.get(idx)) for column in columns), _fmt_int(tokens.get(idx))]
+        cells = [str(idx), *(form(column.get(idx)) for form, column in zip(formats, columns, strict=True)),
+                 _fmt_int(tokens.get(idx))]
         if before_e2e:
-            cells.append(_fmt(before_e2e.get(idx)))
+            cells.append(fmt(before_e2e.get(idx)))
         rows.append("| " + " | ".join(cells) + " |")
     rows.append(total)
     return "\n".join(
-        ["## Per layer", "", _layer_intro(result), "", header, "| --- " * header.count(" |") + "|", *rows]
+        ["## Per layer", "", _layer_intro(result, fmt), "", header, "| --- " * header.count(" |") + "|", *rows]
     )
 
 
-def _layer_intro(result: EvalResult | None) -> str:
+def _layer_intro(result: EvalResult | None, fmt: Any) -> str:
     """What the spliced-alone column holds, next to the teacher's own score."""
     ratios = "Ratios are replacement / teacher layer."
     if result is None:
@@ -289,20 +363,24 @@ def _layer_intro(result: EvalResult | None) -> str:
               "the whole student's)" if result.per_layer_tokens else "")
     return (
         f"Spliced-alone metric: held-out {metric} of the teacher with only that layer "
-        f"replaced{after_e2e}{tokens} (teacher: {_fmt(result.teacher)}). Validation losses: against the "
+        f"replaced{after_e2e}{tokens} (teacher: {fmt(result.teacher)}). Validation losses: against the "
         f"teacher's output of the layer, fed the teacher's input or the student's own. {ratios}"
     )
 
 
-def _total_row(describe_rows: dict[int, dict], metrics: list[dict]) -> str:
-    """All replacements' parameters and FLOPs over those of the layers they replace, and
-    the tokens of all stages (a stage training several layers counts its tokens once)."""
+def _total_ratios(describe_rows: dict[int, dict]) -> tuple[float | None, float | None]:
+    """All replacements' parameters and FLOPs over those of the layers they replace."""
     rows = list(describe_rows.values())
-    params = _sum_ratio(rows, "params", "teacher_params")
-    flops = _sum_ratio(rows, "flops_per_token", "teacher_flops_per_token")
+    return (_sum_ratio(rows, "params", "teacher_params"),
+            _sum_ratio(rows, "flops_per_token", "teacher_flops_per_token"))
+
+
+def _total_row(params: str, flops: str, metrics: list[dict]) -> str:
+    """The total ratios (formatted with their columns), and the tokens of all stages (a stage
+    training several layers counts its tokens once)."""
     stage_ends = _events(metrics, "stage_end")
     tokens = sum(int(r.get("tokens", 0)) for r in stage_ends) if stage_ends else None
-    cells = ["**all**", _fmt(params), _fmt(flops), _MISSING, _MISSING, _MISSING, _fmt_int(tokens)]
+    cells = ["**all**", params, flops, _MISSING, _MISSING, _MISSING, _fmt_int(tokens)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -313,7 +391,7 @@ def _sum_ratio(rows: list[dict], key: str, teacher_key: str) -> float | None:
     return sum(row[key] for row in rows) / teacher_total if teacher_total else None
 
 
-def _quality_section(metrics: list[dict], config_summary: dict) -> str:
+def _quality_section(metrics: list[dict], config_summary: dict, fmt: Any) -> str:
     """Stages that ended before their step count, and the end-to-end stage's effect."""
     lines = []
     early = [m for m in _events(metrics, "stage_end") if m.get("stopped") not in (None, "steps")]
@@ -324,14 +402,14 @@ def _quality_section(metrics: list[dict], config_summary: dict) -> str:
     before = config_summary.get("student_after_layer_stages")
     e2e_val = _events(metrics, "e2e_val")
     if before is not None:
-        lines += [f"Student after the layer stages: {_fmt(before)}; the exported student above has also "
+        lines += [f"Student after the layer stages: {fmt(before)}; the exported student above has also "
                   "had the end-to-end stage."]
     if e2e_val:
         key = "ppl" if "ppl" in e2e_val[0] else "cosine"
         name = _METRIC_NAMES["lm" if key == "ppl" else "encoder"]
         best = [m.get("best_step") for m in _events(metrics, "stage_end") if m.get("layers") == []]
         lines += ["", f"| end-to-end step | held-out {name} |", "| --- | --- |",
-                  *(f"| {m['step']} | {_fmt(m.get(key))} |" for m in e2e_val)]
+                  *(f"| {m['step']} | {fmt(m.get(key))} |" for m in e2e_val)]
         if best and best[-1] is not None:
             lines += ["", f"The end-to-end stage kept the weights of step {best[-1]} (its best validation)."]
     return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
@@ -346,12 +424,15 @@ def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
     kl_name = "KL of the output" if hybrid["kind"] == "lm" else "1 - cosine of the output"
     converted = set(hybrid["converted"])
     order = [int(layer) for layer in hybrid["order"]]
-    rows = [f"| {layer} | {_fmt(hybrid['kl'][str(layer)])} | {_fmt(hybrid['spliced_alone'][str(layer)])} | "
+    kl_fmt = column_format(hybrid["kl"].values())
+    fmt = column_format([*hybrid["spliced_alone"].values(), *hybrid["curve"], hybrid["teacher"],
+                         result.student if result is not None else None])
+    rows = [f"| {layer} | {kl_fmt(hybrid['kl'][str(layer)])} | {fmt(hybrid['spliced_alone'][str(layer)])} | "
             f"{'converted' if layer in converted else '**kept (teacher)**'} |" for layer in order]
-    curve = [f"| {n} | {', '.join(map(str, sorted(order[:n]))) or '–'} | {_fmt(value)} |"
+    curve = [f"| {n} | {', '.join(map(str, sorted(order[:n]))) or '–'} | {fmt(value)} |"
              for n, value in enumerate(hybrid["curve"])]
     final = ("" if result is None else
-             f" The trained student, {len(converted)} layers converted: {_fmt(result.student)}.")
+             f" The trained student, {len(converted)} layers converted: {fmt(result.student)}.")
     return "\n".join([
         "## Automatic hybrid", "",
         f"Budget {budget}. A scoring pass trained a replacement for each candidate layer "
@@ -360,7 +441,7 @@ def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
         f"{hybrid['kept'] or 'none'} as the teacher's own.", "",
         f"| layer (cheapest first) | {kl_name} | spliced-alone {metric} | choice |", "| --- | --- | --- | --- |",
         *rows, "",
-        f"Held-out {metric} of the scoring-pass student by layers converted (teacher: {_fmt(hybrid['teacher'])})."
+        f"Held-out {metric} of the scoring-pass student by layers converted (teacher: {fmt(hybrid['teacher'])})."
         f"{final}", "",
         "| layers converted | which | held-out metric |", "| --- | --- | --- |", *curve, "",
         f"![quality against the number of converted layers]({HYBRID_PLOT_FILE})"])
@@ -397,7 +478,7 @@ def _timing_section(timings: dict[str, float]) -> str:
     ]
     return "\n".join(
         [
-            "## Time",
+            TIME_HEADING,
             "",
             "| phase | seconds | share |",
             "| --- | --- | --- |",
@@ -424,15 +505,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def _cell(value: Any) -> str:
     """A value fit for a markdown table cell (no pipes, no newlines)."""
-    text = _fmt(value) if isinstance(value, float) else str(value)
+    text = column_format([value])(value) if isinstance(value, float) else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _fmt(value: float | None) -> str:
-    """4 significant digits; a dash for missing (or NaN) values."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return _MISSING
-    return f"{value:.4g}"
 
 
 def _fmt_int(value: int | None) -> str:

@@ -6,6 +6,7 @@ gathered to whole tensors for saving and cut back into shards on load, through
 
 Layout of ``<checkpoint_dir>``::
 
+    run.lock                      pid of the mode=local run using it (flock held while it runs)
     progress.json                 finished stages, and the stage in progress
     stage_<s>/replacement.safetensors   final weights of a finished stage
     current/model.safetensors     replacement weights of the stage in progress
@@ -24,6 +25,7 @@ A run's checkpoint directory is named by what shapes its result
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -31,7 +33,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -46,9 +48,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
+from distill.config import CONF_DIR
+from distill.errors import ConfigError
 from distill.model.location import teacher_source
 
 PROGRESS_FILE = "progress.json"
+LOCK_FILE = "run.lock"
+"""Holds the pid of the run using the directory, under an flock while it runs (:func:`hold_checkpoint_dir`)."""
 BEST_FILE = "best.safetensors"
 GATHERED_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """A sharded module's state as one file holds it: whole tensors, on rank 0's CPU."""
@@ -65,25 +71,67 @@ resumes across it, and fingerprints stay those of the runs before the key existe
 
 
 def config_fingerprint(cfg: DictConfig, source: str) -> str:
-    """``<replacement>-<hash>`` of the settings that decide the trained weights (``source``:
-    the teacher's directory or hub name)."""
+    """``<replacement option>-<hash>`` of the settings that decide the trained weights (``source``:
+    the teacher's directory or hub name), e.g. ``linear_attention-0123456789``."""
+    return f"{replacement_option(cfg)}-{_settings_hash(cfg, source)}"
+
+
+def _settings_hash(cfg: DictConfig, source: str) -> str:
     keep = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FINGERPRINT_KEYS}
     for key in UNFINGERPRINTED_STUDENT_KEYS:
         keep["student"].pop(key, None)
     for key in UNFINGERPRINTED_TEACHER_KEYS:
         keep["teacher"].pop(key, None)
     keep["teacher_source"] = source
-    digest = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    target = str(cfg.replacement.get("_target_", "replacement")).rsplit(".", 1)[-1]
-    return f"{target}-{digest}"
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def replacement_option(cfg: DictConfig) -> str:
+    """The ``replacement=<option>`` that gives this config's replacement class (the option file in
+    ``conf/replacement/`` with its ``_target_``), else the class name (a class the user named)."""
+    target = str(cfg.replacement.get("_target_", "replacement"))
+    for path in sorted((CONF_DIR / "replacement").glob("*.yaml")):
+        if (OmegaConf.load(path) or {}).get("_target_") == target:
+            return path.stem
+    return target.rsplit(".", 1)[-1]
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
     """Where this run's checkpoints live: ``checkpoint_dir``, else the same directory for a
-    rerun of the same command."""
+    rerun of the same command: ``<replacement option>-<hash>``, or the ``<class>-<hash>`` name
+    of the runs before the option name, when only that one exists (so they resume)."""
     if cfg.checkpoint_dir:
         return Path(cfg.checkpoint_dir)
-    return Path("outputs") / "checkpoints" / config_fingerprint(cfg, teacher_source(cfg))
+    source = teacher_source(cfg)
+    root = Path("outputs") / "checkpoints"
+    named = root / config_fingerprint(cfg, source)
+    old = root / f"{str(cfg.replacement.get('_target_', 'replacement')).rsplit('.', 1)[-1]}-{_settings_hash(cfg, source)}"
+    return old if old.is_dir() and not named.exists() else named
+
+
+def hold_checkpoint_dir(directory: Path) -> IO[str]:
+    """Claim ``directory`` for this process's run: an exclusive ``flock`` on its ``run.lock``, which
+    holds our pid. Keep the returned file open for the run; the kernel releases the lock when the
+    process ends however it ends, so a crashed run leaves no stale claim.
+
+    Why: two runs with the same settings share one checkpoint directory, and both would resume and
+    overwrite the same stage files. The second is refused in one line (ConfigError, exit 2) before
+    it starts any process."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid = handle.read().strip() or "?"
+        handle.close()
+        raise ConfigError(f"another run (pid {pid}) is using the checkpoint directory {directory}: wait for it, "
+                          "stop it, or give this run its own checkpoint_dir=...") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def read_progress(directory: Path) -> dict[str, Any]:

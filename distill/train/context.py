@@ -35,6 +35,7 @@ from distill.model.teacher import Teacher
 from distill.pipeline import BatchConfig, StudentClient
 from distill.train.checkpoint import checkpoint_dir
 from distill.train.stages import Stage, stage_layout
+from distill.train.tracking import NoTracker, Tracker, open_tracker
 from distill.train.transport import control_client
 
 log = logging.getLogger(__name__)
@@ -61,21 +62,37 @@ class StudentContext:
     stages: list[Stage]
     """The layer stages (with an automatic hybrid: its scoring pass until it has chosen)."""
     timings: dict[str, float] = field(default_factory=dict)
+    tracker: Tracker = field(default_factory=NoTracker)
+    """The run's experiment tracker (``tracking``), fed the records of metrics.jsonl; the leader's alone."""
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
     def log_metrics(self, record: dict[str, Any]) -> None:
-        """Append one JSON line to ``metrics.jsonl`` (leader only: one writer per run)."""
+        """Append one JSON line to ``metrics.jsonl`` and hand it to the tracker (leader only: one
+        writer per run)."""
         if self.leader:
             with open(self.out_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            self.tracker.log(record)
 
 
 def setup_context(cfg: DictConfig, out_dir: Path) -> StudentContext:
-    """Join the process group, load the teacher and (leader) the held-out data, say hello."""
+    """Join the process group, (leader) open the experiment tracker, load the teacher and (leader)
+    the held-out data, say hello. The tracker opens first: a tracker that cannot start (no W&B
+    login, a store refused) fails the run before minutes of loading a teacher."""
     rank, world_size, device = setup_distributed(cfg)
+    tracker = open_tracker(cfg, out_dir) if rank == 0 else NoTracker()
+    try:
+        return _setup_parts(cfg, out_dir, rank, world_size, device, tracker)
+    except BaseException:
+        tracker.close(failed=True)
+        raise
+
+
+def _setup_parts(cfg: DictConfig, out_dir: Path, rank: int, world_size: int, device: torch.device,
+                 tracker: Tracker) -> StudentContext:
     teacher = load_teacher(cfg, device)
     stages, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
     chunks = load_chunks(cfg, load_tokenizer(cfg)) if rank == 0 else None
@@ -89,7 +106,7 @@ def setup_context(cfg: DictConfig, out_dir: Path) -> StudentContext:
         log.info("run dir %s; checkpoints in %s; %d stage(s) of %s", out_dir, directory, len(stages),
                  [list(s.layers) for s in stages])
     return StudentContext(cfg, rank, world_size, device, teacher, client, batch_config, heldout,
-                          directory, out_dir, stages)
+                          directory, out_dir, stages, tracker=tracker)
 
 
 def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
@@ -122,8 +139,10 @@ def _student_gpu(cfg: DictConfig, local_rank: int) -> int:
     return int(gpus[local_rank])
 
 
-def close_context(ctx: StudentContext) -> None:
-    """Close the control connection and leave the process group."""
+def close_context(ctx: StudentContext, failed: bool = False) -> None:
+    """End the run in the tracker (``failed``: on an error), close the control connection and
+    leave the process group."""
+    ctx.tracker.close(failed)
     ctx.client.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,12 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     unchanged = result["eval"]["per_layer"] == result["eval"]["per_layer_layer_stages"]
     assert unchanged == (best_step == 0), (best_step, result["eval"])
     _check_data_supply_and_time_split(tmp_path / "run", log)
+    # The whole run's line (issue 39 item 3): the end-to-end stage counted and projected from the
+    # timed teacher forward; and the supervisor names the command that reaches its broker (item 5).
+    students = (tmp_path / "run" / "student.log").read_text()
+    assert re.search(r"stage 1/2, 62% of the steps, ~\d+(m\d\ds|s) left", students), students[-3000:]
+    assert "end-to-end stage (6 steps, ~" in students and "stage 2/2, 100% of the steps" in students
+    assert re.search(r"this run's broker counters: .* -m distill mode=stats pipeline\.socket_dir=/\S+e2ebert-", log)
 
     # The same command again: every stage comes finished from its checkpoint, nothing is
     # trained (so no metrics.jsonl), and the run still exports, evaluates and reports.
@@ -174,6 +181,11 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     assert "no stage was trained in this run" in again.stdout + again.stderr
     assert (tmp_path / "again" / "report.md").exists()
     assert json.loads((tmp_path / "again" / "result.json").read_text())["eval"]["kind"] == "encoder"
+    # Issue 39 item 6: the options as typed, one time table, and why the rerun draws no curves.
+    first, report = (tmp_path / "run" / "report.md").read_text(), (tmp_path / "again" / "report.md").read_text()
+    assert "| `replacement` | linear_attention |" in first and "| `teacher` | tiny_bert |" in first
+    assert "distill.replacements" not in first and first.count(" | seconds | ") == 1
+    assert "layers [0, 1] were not trained by this run" in report and not (tmp_path / "again" / "losses.png").exists()
     _wait_gone("e2ebert")
 
 
@@ -267,4 +279,4 @@ def test_multirun_gives_each_job_its_own_run_and_a_summary(tmp_path: Path) -> No
     jobs = sorted((tmp_path / "sweep").glob("*/result.json"))
     assert len(jobs) == 2
     summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "ResidualMLP" in summary and "LowRankLayer" in summary
+    assert "| mlp |" in summary and "| lowrank |" in summary  # the options typed, not classes

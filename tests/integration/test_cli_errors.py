@@ -96,3 +96,48 @@ def test_the_traceback_on_request(tmp_path: Path, ask: str) -> None:
     assert result.returncode == 1
     assert "Traceback (most recent call last)" in result.stderr
     assert "ConfigError: mode=eval needs lm_eval.student" in result.stderr
+
+
+HOLDER = ("import pathlib, sys\n"
+          "from distill.train.checkpoint import hold_checkpoint_dir\n"
+          "claim = hold_checkpoint_dir(pathlib.Path(sys.argv[1]))\n"
+          "print('held', flush=True)\n"
+          "sys.stdin.read()\n")
+
+
+def test_a_second_run_in_a_live_run_s_checkpoint_dir_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    """The first run holds an flock on ``<checkpoint_dir>/run.lock`` (with its pid); the second is
+    one line, exit 2, before any broker, worker or student. Killed (-9), the first leaves no stale lock."""
+    from distill.train.checkpoint import hold_checkpoint_dir
+    from tests.integration.test_app import _tiny
+
+    checkpoints = tmp_path / "checkpoints"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(checkpoints)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = _run(["mode=local", *_tiny(tmp_path), f"checkpoint_dir={checkpoints}"], tmp_path)
+        assert result.returncode == ConfigError.exit_code and "Traceback" not in result.stderr, result.stderr
+        line = result.stderr.splitlines()[-1]  # after the tiny teacher's build bars, when this test builds it
+        assert line.startswith(f"another run (pid {holder.pid}) is using the checkpoint directory {checkpoints}")
+        assert not list((tmp_path / "run").glob("*.out")) and not list((tmp_path / "run").glob("*.err"))
+        assert "config:" not in result.stdout and not (tmp_path / "run" / "config.yaml").exists()  # refused first
+    finally:
+        holder.kill()
+        holder.wait(timeout=CLI_TIMEOUT_S)
+    hold_checkpoint_dir(checkpoints).close()  # the kernel dropped the dead run's lock
+
+
+def test_invocations_that_do_no_work_leave_no_run_directory(tmp_path: Path) -> None:
+    """Hydra's ``outputs/<date>/<time>/`` only for runs: not for mode=plan (it prints), nor for a config
+    error found inside Hydra's job (the text glob); a run that starts still gets one (test_app)."""
+    def bare(args: list[str]) -> subprocess.CompletedProcess:  # Hydra names the run directory
+        return subprocess.run([sys.executable, "-m", "distill", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=CLI_TIMEOUT_S)
+
+    plan = bare(["mode=plan", "student.layers=[0]"])
+    assert plan.returncode == 0 and "total" in plan.stdout, plan.stderr
+    assert not list(tmp_path.iterdir()), list(tmp_path.rglob("*"))
+    error = bare(["mode=local", "data=text", f"data.path={tmp_path / 'none' / '*.txt'}"])
+    assert error.returncode == ConfigError.exit_code and "matches no file" in error.stderr
+    assert not list(tmp_path.iterdir()), list(tmp_path.rglob("*"))

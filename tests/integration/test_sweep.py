@@ -68,7 +68,7 @@ def test_parallel_sweep_jobs_share_one_broker_and_worker(tmp_path: Path) -> None
                 server.wait()
     assert len(sorted((tmp_path / "sweep").glob("*/result.json"))) == 2
     summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "ResidualMLP" in summary and "LowRankLayer" in summary and "val loss by layer" in summary
+    assert "| mlp |" in summary and "| lowrank |" in summary and "val loss by layer" in summary
     runs = set(re.findall(r"run (\S+): model", (tmp_path / "broker.out").read_text()))
     assert len(runs) == 2, f"each job must be its own run on the broker, got {runs}"
     print(f"sweep of 2 jobs took {time.monotonic() - started:.0f}s")

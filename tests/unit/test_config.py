@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from distill.__main__ import MODES
 from distill.config import CONF_DIR, Mode, register_configs
 
-GROUPS = ["mode", "teacher", "replacement", "data", "pipeline", "device", "student"]
+GROUPS = ["mode", "teacher", "replacement", "data", "pipeline", "device", "student", "tracking"]
 REQUIRED = {"teacher/hf": ["teacher.name_or_path=/tmp"], "data/text": ["data.path=/tmp/*.txt"],
             "data/hf_dataset": ["data.dataset_name=x"]}
 

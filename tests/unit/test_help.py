@@ -58,7 +58,7 @@ def test_every_key_has_a_type_a_default_and_a_meaning() -> None:
 
 def test_groups_are_the_option_directories_without_schemas() -> None:
     groups = {g.name: g for g in reference.config_groups()}
-    assert list(groups) == ["mode", "teacher", "replacement", "data", "pipeline", "device", "student"]
+    assert list(groups) == ["mode", "teacher", "replacement", "data", "pipeline", "device", "student", "tracking"]
     assert groups["teacher"].default == "tiny_llama" and "hf" in groups["teacher"].options
     assert not [o for g in groups.values() for o in g.options if o.endswith("_schema")]
     assert all(doc for g in groups.values() for doc in g.options.values())

@@ -27,11 +27,17 @@ LAZY_IMPORTS = {
     ("distill.model.data", "datasets"): "~1 s to import, only data.source=hf_dataset needs it",
     ("distill.model.tiny_cache", "distill.model.tiny"): "pre-training needs transformers; a cache hit, "
                                                         "what mode=local's supervisor meets, does not",
+    ("distill.model.tiny_cache", "distill.pipeline.liveness"): "naming a lock's holder (only on a miss or a "
+                                                               "wait) imports the pipeline, and so torch",
     ("distill.model.harness", "lm_eval"): "an optional extra (.[eval]) that only mode=eval needs",
     ("distill.model.gguf_cache", "transformers"): "only a GGUF teacher's config needs it; the start-up "
                                                   "checks run in every mode, the broker included",
     ("distill.model.gguf_cache", "distill.model.gguf_convert"): "converting needs torch and transformers; a "
                                                                 "cache hit does not",
+    ("distill.train.tracking", "torch.utils.tensorboard"): "an optional extra (.[tensorboard]) that only "
+                                                            "tracking=tensorboard needs",
+    ("distill.train.tracking", "wandb"): "an optional extra (.[wandb]) that only tracking=wandb needs",
+    ("distill.train.tracking", "mlflow"): "an optional extra (.[mlflow]) that only tracking=mlflow needs",
 }
 """(module, imported module) -> why it is imported inside a function."""
 

@@ -5,6 +5,7 @@ The broker never touches sample data. Its parts, each owning one decision:
     config.py    BrokerConfig: every setting and limit, typed and frozen
     service.py   Broker: lifecycle, the poll loop, the guarded routing of every message
     ingress.py   reading the sockets fairly: large messages parked per peer, bounded
+    report.py    STATS answers: a cached snapshot, the same cost for 1 run or 1,000
     frontend.py  students' HELLO / REQUEST / HEARTBEAT / BYE, their liveness
     backend.py   workers' READY / DONE / HEARTBEAT / BYE, their liveness and quarantine
     control.py   leaders' SET_MODEL / STOP
@@ -14,7 +15,7 @@ The broker never touches sample data. Its parts, each owning one decision:
                  bound to the connection that first used them
     limits.py    caps on every number a peer sends, model_cfg size, queue room
     deadline.py  measured batch times and the deadline of a WORK
-    state.py     the tables, counters and sockets the parts share
+    state.py     the tables, counters and sockets the parts share (replies never wait)
 
 Slots travel through the broker in the groups they arrived in (a ``SlotRequests`` per
 REQUEST, split only where a WORK ends), so the per-slot work of the broker is building

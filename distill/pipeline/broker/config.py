@@ -50,7 +50,9 @@ class BrokerConfig:
     max_queued_per_run: int = 1_000_000
     """Slots one run may have queued."""
     max_queued: int = 1_000_000
-    """Slots queued over all runs (a queued slot costs about 150 bytes)."""
+    """Slots queued over all runs (a queued slot costs about 150 bytes), shared fairly: a
+    run may hold this over the number of runs asking, a connection its run's share over
+    the run's connections asking (``runs.RunTable.make_room``)."""
     max_queued_per_student: int = 8_192
     """Slots one student connection may have queued. A consumer process never needs more
     than it owns (pipeline.slot_count); keep it below protocol.BROKER_SNDHWM."""

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import logging
 
+from distill.pipeline import protocol
 from distill.pipeline.broker import limits
 from distill.pipeline.broker.runs import RunState
 from distill.pipeline.broker.state import BrokerState
@@ -133,7 +134,8 @@ class Control:
         self._check_stop(run_id, body.get("leader_secret"))
         log.info("stop requested for %s", run_id or "all workers")
         state.send.publish(Command.STOP, {"run_id": run_id}, topic=(run_id or "").encode())
-        state.send.to_leader(identity, Command.STATS_REPLY, {"stats": state.snapshot().to_dict()})
+        stats = state.snapshot(top_runs=protocol.STATS_TOP_RUNS)
+        state.send.to_leader(identity, Command.STATS_REPLY, {"stats": stats.to_dict()})
 
     def _check_stop(self, run_id: str | None, secret: str | None) -> None:
         runs = self.state.runs.runs

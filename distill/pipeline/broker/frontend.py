@@ -16,8 +16,15 @@ import time
 
 from distill.pipeline.broker import limits
 from distill.pipeline.broker.limits import over_limit
-from distill.pipeline.broker.records import SlotRequests, StudentPeer, check_key, medium_label
+from distill.pipeline.broker.records import (
+    Impostor,
+    SlotRequests,
+    StudentPeer,
+    check_key,
+    medium_label,
+)
 from distill.pipeline.broker.state import BrokerState
+from distill.pipeline.liveness import beat_identity
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.throttle import LogThrottle
 
@@ -30,6 +37,7 @@ class Frontend:
     def __init__(self, state: BrokerState) -> None:
         self.state = state
         self._repeats = LogThrottle(log)
+        self._reclaims = LogThrottle(log)
 
     def _touch(self, identity: bytes, key: str | None, peer_id: str, run_id: str, command: str) -> StudentPeer:
         """The student ``peer_id`` (registered at its first HELLO or REQUEST), bound to this connection."""
@@ -47,11 +55,17 @@ class Frontend:
     def on_hello(self, identity: bytes, key: str | None, body: dict) -> None:
         state = self.state
         run = state.runs.get_or_add(body["run_id"], state.busy_runs)
-        self._touch(identity, key, body["peer_id"], run.run_id, "HELLO")
-        state.send.to_student(identity, Command.WELCOME, {
-            "run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
-            "model_cfg": run.model_cfg, "heartbeat_interval_ms": int(state.config.heartbeat_interval_s * 1000),
-        })
+        connection = self._touch(identity, key, body["peer_id"], run.run_id, "HELLO").connection
+        welcome = {"run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
+                   "heartbeat_interval_ms": int(state.config.heartbeat_interval_s * 1000)}
+        if run.model_cfg is not None:  # once per connection and model: a HELLO buys no large answer
+            welcome["model_digest"] = run.cfg_digest
+            if connection.models.get(run.run_id) != run.cfg_digest:
+                welcome["model_cfg"] = run.model_cfg
+                connection.models[run.run_id] = run.cfg_digest
+                if len(connection.models) > state.config.max_runs:  # forgotten runs' entries go first
+                    del connection.models[next(iter(connection.models))]
+        state.send.to_student(identity, Command.WELCOME, welcome)
 
     def on_request(self, identity: bytes, key: str | None, body: dict) -> None:
         state = self.state
@@ -60,14 +74,16 @@ class Frontend:
         run = state.runs.get_or_add(body["run_id"], state.busy_runs)
         peer = self._touch(identity, key, body["peer_id"], run.run_id, "REQUEST")
         state.students.claim_medium(peer.connection, medium, stride)
-        room, limit = state.runs.room(run, peer.connection)
+        room = state.runs.make_room(run, peer.connection, len(slots))
+        if room.reclaimed:
+            self._give_back(room.reclaimed)
         refused = None
-        if len(slots) > room:
-            room = max(0, room)
-            refused = over_limit(f"{len(slots)} slots asked, room for {room} more", limit)
-            refused.slots = slots[room:]  # type: ignore[attr-defined]  # named in the ERROR reply
-            state.counters.refused += len(slots) - room
-            slots = slots[:room]
+        if len(slots) > room.slots:
+            share = " (its fair share: other runs or connections ask too)" if room.share else ""
+            refused = over_limit(f"{len(slots)} slots asked, room for {room.slots} more{share}", room.limit)
+            refused.slots = slots[room.slots:]  # type: ignore[attr-defined]  # named in the ERROR reply
+            state.counters.refused += len(slots) - room.slots
+            slots = slots[:room.slots]
         fresh = state.ledger.admit(medium, slots)
         if len(fresh) < len(slots):
             self._repeats.warning("dropped %d repeated request(s) for slots of %s", len(slots) - len(fresh),
@@ -80,12 +96,16 @@ class Frontend:
             raise refused
 
     def on_heartbeat(self, identity: bytes, key: str | None, body: dict) -> None:
-        """Heartbeats come from the student's heartbeat socket (another connection than
-        its requests'): bound by its key only, when there are keys."""
+        """Heartbeats come from the student's heartbeat socket, whose routing identity is
+        its connection's with a suffix (``liveness.beat_identity``), or from the connection
+        itself: a beat from any other connection keeps no peer alive (one socket beating
+        for many peer ids kept their queues for ever), and with keys it carries the peer's.
+        A leader's beats keep its run alive the same way (its peer id is its identity)."""
         state = self.state
         students = state.students
         peer = students.peers.get(body["peer_id"])
-        state.runs.heard_leader(body["peer_id"], time.monotonic())  # a leader that never said HELLO
+        if identity in (peer_id := body["peer_id"].encode(), beat_identity(peer_id)):
+            state.runs.heard_leader(body["peer_id"], time.monotonic())  # a leader that never said HELLO
         if peer is None and body["peer_id"] in students.purged:
             # We dropped its requests: it must ask again. (Unknown but never purged
             # means its first REQUEST is still on the way: nothing to do.)
@@ -94,6 +114,9 @@ class Frontend:
             return
         if peer is not None:
             check_key(f"student {peer.peer_id[:64]}", peer.connection.key, key)
+            if identity not in (peer.identity, beat_identity(peer.identity)):
+                raise Impostor(f"HEARTBEAT names student {peer.peer_id[:64]}, which is bound to another "
+                               "connection: refused")
             peer.last_seen = time.monotonic()
             state.runs.mark_live(peer.run_id, peer.last_seen)
         # With how many live workers there are: the student splits its direct requests
@@ -105,6 +128,27 @@ class Frontend:
         if peer is not None:
             self.forget(peer)
 
+    def _give_back(self, reclaimed: list[SlotRequests]) -> None:
+        """Requests taken back from those over their fair share: no longer outstanding,
+        and their owners told they were refused (to be asked for again, as any refusal)."""
+        state = self.state
+        state.ledger.settle(reclaimed, answered=False)
+        by_owner: dict[bytes, list[list[int]]] = {}
+        for request in reclaimed:
+            by_owner.setdefault(request.student, []).extend(request.slots)
+        state.counters.refused += sum(len(rows) for rows in by_owner.values())
+        self._reclaims.warning("took back %d queued slot(s) of %d connection(s) over their fair share of "
+                               "max_queued", sum(len(rows) for rows in by_owner.values()), len(by_owner))
+        for identity, rows in by_owner.items():
+            body = {"reason": over_limit(f"{len(rows)} queued slots taken back for other runs or connections "
+                                         "(this one holds more than its fair share)", "max_queued").reason,
+                    "command": Command.REQUEST.name}
+            if state.echo.take(identity, len(rows)):
+                body["slots"] = rows
+            else:
+                state.counters.throttled += 1
+            state.send.to_student(identity, Command.ERROR, body)
+
     def forget(self, peer: StudentPeer, *, purged: bool = False) -> None:
         """Drop ``peer``'s queued requests and its record (and its connection's, when last)."""
         state = self.state
@@ -112,6 +156,14 @@ class Frontend:
         if run is not None:
             state.ledger.settle(state.runs.drop(run, peer.connection), answered=False)
         state.students.remove(peer, purged=purged)
+
+    def drop_connection(self, identity: bytes) -> None:
+        """Forget the students of a connection that reads none of its replies, as if they
+        had missed their heartbeats (``service.py``)."""
+        students = self.state.students
+        connection = students.connections.get(identity)
+        for peer_id in list(connection.peers) if connection is not None else ():
+            self.forget(students.peers[peer_id], purged=True)
 
     def purge(self, now: float) -> None:
         """Forget students that missed their heartbeats (they are told RECONNECT if they beat again)."""

@@ -14,6 +14,9 @@ messages are read as they come (cheap: a copy) and
   back to back (a burst of large messages is not stretched tenfold on an idle broker);
 - a peer's messages stay in order: once it has one parked, the small ones behind it
   are parked too;
+- small messages whose answer costs more than reading them (DEAR_COMMANDS: STATS, STOP,
+  which build a snapshot, ``report.py``) are parked as well, each counted as DEAR_BYTES:
+  what they cost is charged to their sender like a large message's;
 - a peer with MAX_PARKED_BYTES waiting loses what it sends beyond that (counted in
   STATS ``throttled``, logged with the peer): with ZeroMQ's own bound (BROKER_RCVHWM
   messages of at most BROKER_MAX_MESSAGE_BYTES) that is all one peer can park in the
@@ -47,6 +50,10 @@ DRAIN_BUDGET_S = 0.001
 """Longest one socket is read in one pass of the loop: then the other sockets, the parked
 messages and the dispatcher get their turn (a DONE waits a millisecond, not a flood)."""
 DRAIN_MAX_MESSAGES = 256
+DEAR_COMMANDS = frozenset({protocol.Command.STATS.value, protocol.Command.STOP.value})
+"""Small messages handled within the parked share (see the module docstring)."""
+DEAR_BYTES = BULK_BYTES
+"""What a parked dear message counts against MAX_PARKED_BYTES: at most 1,024 per peer wait."""
 
 _RCVMORE = int(zmq.RCVMORE)
 Route = Callable[[zmq.Socket, bytes, list[bytes], "str | None"], None]
@@ -60,7 +67,7 @@ class Ingress:
         self._route = route
         self._counters = counters
         self._keyed = keyed
-        self._parked: OrderedDict[tuple[int, bytes], deque[tuple[zmq.Socket, list[bytes], str | None]]] = \
+        self._parked: OrderedDict[tuple[int, bytes], deque[tuple[zmq.Socket, list[bytes], str | None, int]]] = \
             OrderedDict()
         self._parked_bytes: dict[tuple[int, bytes], int] = {}
         self._parked_free_at = 0.0
@@ -74,11 +81,12 @@ class Ingress:
         for _ in range(DRAIN_MAX_MESSAGES):
             identity, frames, key, size = self._recv(sock)
             peer = (id(sock), identity)
-            if size <= BULK_BYTES and peer not in self._parked:
+            dear = len(frames) > 1 and frames[1] in DEAR_COMMANDS
+            if size <= BULK_BYTES and peer not in self._parked and not dear:
                 self._small_at = time.perf_counter()
                 self._route(sock, identity, frames, key)
             else:
-                self._park(sock, peer, frames, key, size)
+                self._park(sock, peer, frames, key, max(size, DEAR_BYTES) if dear else size)
             if not protocol.readable(sock) or time.perf_counter() > deadline:
                 return
 
@@ -107,7 +115,7 @@ class Ingress:
             self._drops.warning("%r has %d bytes of messages waiting (the most one peer may): dropped a "
                                 "%d-byte message", peer[1][:64], parked, size)
             return
-        self._parked.setdefault(peer, deque()).append((sock, frames, key))
+        self._parked.setdefault(peer, deque()).append((sock, frames, key, size))
         self._parked_bytes[peer] = parked + size
 
     @property
@@ -128,8 +136,8 @@ class Ingress:
         if not self._parked or now < self._free_at():
             return
         peer, queue = next(iter(self._parked.items()))
-        sock, frames, key = queue.popleft()
-        self._parked_bytes[peer] -= sum(len(frame) for frame in frames)
+        sock, frames, key, size = queue.popleft()
+        self._parked_bytes[peer] -= size
         if queue:
             self._parked.move_to_end(peer)  # round robin: the next peer's turn
         else:

@@ -40,6 +40,8 @@ class Connection:
     mediums: dict[str, int] = field(default_factory=dict)
     """Medium name -> the stride its REQUESTs use."""
     peers: set[str] = field(default_factory=set)
+    models: dict[str, str] = field(default_factory=dict)
+    """Run id -> digest of the ``model_cfg`` a WELCOME sent this connection: sent once per model."""
 
 
 @dataclass(slots=True, eq=False)

@@ -9,6 +9,14 @@ with it: the run's ``queued``, the broker's total, and each connection's (its
 the queues it describes. The table also keeps what the runs' ``model_cfg`` weigh
 together (``retained_cfg_bytes``), bounded by ``max_retained_cfg_bytes``.
 
+Fair shares: a run asking for slots may queue at most its share of ``max_queued`` (the
+limit over the number of runs with slots queued, its own counted), and a connection at
+most its share of its run's (over the run's connections with slots queued). A run or a
+connection under its share that finds no room left takes it back from those over theirs
+(:meth:`RunTable.make_room`, newest slots first): the slots taken back are answered to
+their owners as refused, to be asked for again. So free connections asking for a run
+nobody serves hold at most one run's share, however many they are.
+
 A run holds its entry only while it has live peers (:meth:`RunTable.forget_abandoned`):
 a student of the run, a WORK of it in flight, or its leader's heartbeats. One without
 any for ``run_grace_s`` is forgotten, and one that never had a live peer (a SET_MODEL
@@ -27,6 +35,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from distill.pipeline import protocol
 from distill.pipeline.broker.config import BrokerConfig
 from distill.pipeline.broker.limits import over_limit
 from distill.pipeline.broker.records import Connection, SlotRequests
@@ -44,6 +53,8 @@ class RunState:
     model_cfg: dict | None = None
     cfg_cost: int = 0
     """What keeping ``model_cfg`` costs (``limits.cfg_cost``), counted in the table's total."""
+    cfg_digest: str | None = None
+    """``protocol.cfg_digest(model_cfg)``: what WELCOME says instead of a cfg the student has."""
     queues: OrderedDict[Connection, deque[SlotRequests]] = field(default_factory=OrderedDict)
     """Per student connection, its requests in order; the first connection is served next."""
     queued: int = 0
@@ -74,6 +85,8 @@ class RunTable:
         """Round robin: the run served next is ``order[0]``."""
         self.queued = 0
         """Slots queued over all runs."""
+        self.asking = 0
+        """Runs with slots queued (their number divides ``max_queued`` into fair shares)."""
         self.retained_cfg_bytes = 0
         self.unclaimed: dict[str, None] = {}
         """Runs no live peer has ever shown up for, oldest first (an insertion-ordered set)."""
@@ -172,14 +185,67 @@ class RunTable:
                              f"{total} bytes", "max_retained_cfg_bytes")
         self.retained_cfg_bytes = total
         run.model_id, run.model_cfg, run.cfg_cost = model_id, model_cfg, cost
+        run.cfg_digest = None if model_cfg is None else protocol.cfg_digest(model_cfg)
 
     # ------------------------------------------------------------------ queues
-    def room(self, run: RunState, connection: Connection) -> tuple[int, str]:
-        """How many more slots ``connection`` may queue in ``run``, and the limit that binds."""
+    def make_room(self, run: RunState, connection: Connection, wanted: int) -> Room:
+        """How many of ``wanted`` slots ``connection`` may queue in ``run`` now, and the
+        limit that binds. Room this connection is owed (within its share) but that another
+        connection of the run, or another run, holds beyond its own share is taken back
+        from them first: the caller answers the ``reclaimed`` requests as refused."""
         config = self.config
-        return min((config.max_queued_per_student - connection.queued, "max_queued_per_student"),
-                   (config.max_queued - self.queued, "max_queued"),
-                   (config.max_queued_per_run - run.queued, "max_queued_per_run"))
+        run_share = max(1, config.max_queued // (self.asking + (not run.queued)))
+        run_cap = min(config.max_queued_per_run, run_share)
+        connection_cap = max(1, run_cap // (len(run.queues) + (connection not in run.queues)))
+        owed = min(wanted, config.max_queued_per_student - connection.queued, connection_cap - connection.queued)
+        reclaimed: list[SlotRequests] = []
+        if owed > 0 and (short := owed - (run_cap - run.queued)) > 0:
+            reclaimed += self._reclaim(((run, c) for c in run.queues if c is not connection), connection_cap, short)
+        if owed > 0 and (short := owed - (config.max_queued - self.queued)) > 0:
+            reclaimed += self._reclaim(((r, c) for r in self.runs.values() if r is not run and r.queued > run_share
+                                        for c in r.queues), run_share, short, by_run=True)
+        hard, limit = min((config.max_queued_per_student - connection.queued, "max_queued_per_student"),
+                          (config.max_queued - self.queued, "max_queued"),
+                          (config.max_queued_per_run - run.queued, "max_queued_per_run"))
+        share = min(connection_cap - connection.queued, run_cap - run.queued)
+        if share < hard:
+            return Room(max(0, share), "max_queued", reclaimed, share=True)
+        return Room(max(0, hard), limit, reclaimed)
+
+    def _reclaim(self, holders: Iterable[tuple[RunState, Connection]], share: int, count: int, *,
+                 by_run: bool = False) -> list[SlotRequests]:
+        """Up to ``count`` queued slots taken back from ``holders`` beyond ``share`` (a
+        connection's, or with ``by_run`` a run's), the one holding most first, each
+        holder's newest slots first."""
+        key = (lambda h: (h[0].queued, h[1].queued)) if by_run else (lambda h: h[1].queued)
+        taken: list[SlotRequests] = []
+        for run, owner in sorted(holders, key=key, reverse=True):
+            excess = (run.queued if by_run else owner.queued) - share
+            if count <= 0:
+                break
+            if excess > 0:
+                got = self._take_back(run, owner, min(count, excess))
+                taken += got
+                count -= sum(len(r.slots) for r in got)
+        return taken
+
+    def _take_back(self, run: RunState, owner: Connection, count: int) -> list[SlotRequests]:
+        """Up to ``count`` slots from the tail of ``owner``'s queue in ``run`` (the last group split)."""
+        queue = run.queues.get(owner)
+        taken: list[SlotRequests] = []
+        left = count
+        while left > 0 and queue:
+            tail = queue[-1]
+            if len(tail.slots) <= left:
+                taken.append(queue.pop())
+            else:
+                taken.append(SlotRequests(tail.owner, tail.run_id, tail.medium, tail.stride, tail.slots[-left:]))
+                del tail.slots[-left:]
+            left -= len(taken[-1].slots)
+        if queue is not None and not queue:
+            del run.queues[owner]
+        self._count(run, taken, -1)
+        return taken
 
     def enqueue(self, run: RunState, request: SlotRequests) -> None:
         queue = run.queues.get(request.owner)
@@ -234,8 +300,10 @@ class RunTable:
             count = len(request.slots)
             request.owner.queued += sign * count
             total += count
+        was_asking = run.queued > 0
         run.queued += sign * total
         self.queued += sign * total
+        self.asking += (run.queued > 0) - was_asking
 
 
 def _take_from(queue: deque[SlotRequests], count: int) -> list[SlotRequests]:
@@ -251,6 +319,20 @@ def _take_from(queue: deque[SlotRequests], count: int) -> list[SlotRequests]:
             del head.slots[:left]
         left -= len(taken[-1].slots)
     return taken
+
+
+@dataclass(slots=True)
+class Room:
+    """What :meth:`RunTable.make_room` decided for one REQUEST."""
+
+    slots: int
+    """Slots that may be queued now."""
+    limit: str
+    """The setting that binds (``max_queued`` also for a fair share of it)."""
+    reclaimed: list[SlotRequests]
+    """Requests taken back from those over their share (to be answered as refused)."""
+    share: bool = False
+    """Whether a fair share binds rather than the limit itself."""
 
 
 class RequestLedger:

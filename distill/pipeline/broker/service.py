@@ -12,6 +12,9 @@ within a share of the broker's time; each socket is read for a bounded time per 
 so a flood on one socket cannot starve the others (workers' DONEs, STATS, a leader's
 SET_MODEL). What one peer can park in the broker's memory is bounded: BROKER_RCVHWM
 messages of at most BROKER_MAX_MESSAGE_BYTES in ZeroMQ, MAX_PARKED_BYTES in ours.
+What it can make the broker send back is bounded as well: every reply is small or
+bounded (STATS from ``report.py``), replies to students and leaders never wait, and a
+connection that leaves BROKER_REPLY_HWM of them unread is dropped (``_drop_deaf``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from distill.pipeline.broker.dispatch import Dispatcher
 from distill.pipeline.broker.frontend import Frontend
 from distill.pipeline.broker.ingress import Ingress
 from distill.pipeline.broker.records import Impostor
+from distill.pipeline.broker.report import StatsReport
 from distill.pipeline.broker.state import BrokerState, Sockets
 from distill.pipeline.endpoints import BrokerLock, default_endpoint, prepare_endpoint
 from distill.pipeline.protocol import Command, ProtocolError
@@ -64,10 +68,10 @@ class Broker:
         self.config = dataclasses.replace(config, **{
             f"{name}_endpoint": getattr(config, f"{name}_endpoint") or default_endpoint(name)
             for name in ("frontend", "backend", "control", "control_pub")})
-        if self.config.max_queued_per_student > protocol.BROKER_SNDHWM:
-            log.warning("max_queued_per_student=%d is above the broker's send high-water mark (%d): a "
+        if self.config.max_queued_per_student > protocol.DEFAULT_HWM:
+            log.warning("max_queued_per_student=%d is above a student's receive high-water mark (%d): a "
                         "student owed that many replies may lose some", self.config.max_queued_per_student,
-                        protocol.BROKER_SNDHWM)
+                        protocol.DEFAULT_HWM)
         # Read (and checked) now, so a bad key fails in the caller, not in the thread.
         self._keys: ServerKeys | None = self.config.curve.server_keys() if self.config.curve else None
         self._state = BrokerState(self.config)
@@ -75,7 +79,9 @@ class Broker:
         self._frontend = Frontend(self._state)
         self._backend = Backend(self._state, self._dispatcher)
         self._control = Control(self._state)
+        self._report = StatsReport(self._state)
         self._refusals = LogThrottle(log)
+        self._deaf = LogThrottle(log)
         self._failures = LogThrottle(log)
         self._lock_files = BrokerLock()
         self._stop = threading.Event()
@@ -173,8 +179,13 @@ class Broker:
                                      ("backend", zmq.ROUTER, self.backend_endpoint),
                                      ("control", zmq.ROUTER, self.control_endpoint),
                                      ("control_pub", zmq.PUB, self.control_pub_endpoint)):
-            sock = protocol.configure(ctx.socket(kind), hwm=protocol.BROKER_SNDHWM, rcvhwm=protocol.BROKER_RCVHWM,
+            replies = name in ("frontend", "control")  # to peers that may not read: never wait on them
+            sock = protocol.configure(ctx.socket(kind), hwm=protocol.BROKER_REPLY_HWM if replies else
+                                      protocol.BROKER_SNDHWM, rcvhwm=protocol.BROKER_RCVHWM,
                                       max_message_bytes=protocol.BROKER_MAX_MESSAGE_BYTES)
+            if replies:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                sock.setsockopt(zmq.SNDTIMEO, 0)
             try:
                 prepare_endpoint(endpoint)
                 if self._keys is not None:
@@ -218,6 +229,8 @@ class Broker:
                         self._guarded("receive", ingress.drain, sock)
                 self._guarded("parked message", ingress.serve_parked)
                 self._guarded("dispatch", self._dispatcher.dispatch)
+                if socks.unread:
+                    self._guarded("drop deaf peers", self._drop_deaf)
                 if (now := time.monotonic()) >= next_purge:
                     self._guarded("purge", self._purge, now)
                     next_purge = time.monotonic() + interval_s
@@ -270,7 +283,7 @@ class Broker:
             (f, Command.HELLO): front.on_hello,
             (f, Command.REQUEST): front.on_request,
             (f, Command.HEARTBEAT): front.on_heartbeat,
-            (f, Command.STATS): lambda ident, key, body: self._on_stats(socks.frontend, ident),
+            (f, Command.STATS): lambda ident, key, body: self._on_stats(socks.frontend, ident, body),
             (f, Command.BYE): front.on_bye,
             (b, Command.READY): back.on_ready,
             (b, Command.DONE): back.on_done,
@@ -279,11 +292,24 @@ class Broker:
             (b, Command.ERROR): back.on_error,
             (c, Command.SET_MODEL): control.on_set_model,
             (c, Command.STOP): control.on_stop,
-            (c, Command.STATS): lambda ident, key, body: self._on_stats(socks.control, ident),
+            (c, Command.STATS): lambda ident, key, body: self._on_stats(socks.control, ident, body),
         }
 
-    def _on_stats(self, sock: zmq.Socket, identity: bytes) -> None:
-        protocol.send(sock, Command.STATS_REPLY, {"stats": self._state.snapshot().to_dict()}, identity=identity)
+    def _on_stats(self, sock: zmq.Socket, identity: bytes, body: dict) -> None:
+        self._state.send.reply(sock, identity, self._report.frames(body.get("run_id")))
+
+    def _drop_deaf(self) -> None:
+        """Connections whose replies no longer fit (BROKER_REPLY_HWM unread): count what was
+        dropped, log it (throttled), and forget their students as if they had missed their
+        heartbeats (one that beats again is told RECONNECT)."""
+        state = self._state
+        unread, state.send.unread = state.send.unread, {}
+        for (sock_name, identity), dropped in unread.items():
+            state.counters.dropped_replies += dropped
+            self._deaf.warning("%s peer %r reads none of its replies: %d dropped, its students forgotten",
+                               sock_name, identity[:64], dropped)
+            if sock_name == "frontend":
+                self._frontend.drop_connection(identity)
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str, command: Command | None = None,
                 slots: list | None = None) -> None:
@@ -299,4 +325,4 @@ class Broker:
                 body["slots"] = slots
             else:
                 state.counters.throttled += 1
-        protocol.send(sock, Command.ERROR, body, identity=identity)
+        state.send.reply(sock, identity, protocol.encode(Command.ERROR, body))

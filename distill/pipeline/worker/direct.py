@@ -151,8 +151,13 @@ class DirectLane:
                 slots.append([slot_idx, request_id, why is None])
         filled = sum(1 for row in slots if row[2])
         self.filled += filled
+        # Slots of a student that has left (its segment unlinked before this batch) are
+        # nobody's loss: the broker's statistics count them neither filled nor failed.
+        unfilled = len(slots) - filled
+        if unfilled and _student_left(body["medium"]):
+            unfilled = 0
         done, failed = self.counts.get(body["run_id"], (0, 0))
-        self.counts = {**self.counts, body["run_id"]: (done + filled, failed + len(slots) - filled)}
+        self.counts = {**self.counts, body["run_id"]: (done + filled, failed + unfilled)}
         if stale:
             self.decline({**body, "slots": stale}, "not written (another fill, or another writer)")
         if slots:
@@ -214,3 +219,8 @@ def _as_work(body: dict, model: Model, number: int) -> Message:
         "work_id": -1 - number, "run_id": body["run_id"], "generation": body["generation"],
         "model_id": model[1], "model_cfg": model[2], "medium": medium,
         "items": [[medium, slot_idx, stride, request_id] for slot_idx, request_id in body["slots"]]})
+
+
+def _student_left(medium: str) -> bool:
+    """A shared-memory medium whose segment is gone: its student closed it and left."""
+    return not is_tcp_medium(medium) and not segment_exists(medium)

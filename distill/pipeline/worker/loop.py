@@ -258,8 +258,8 @@ class Worker:
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         forgotten = heart.forgotten.is_set()
-        log.warning("worker %s: broker %s; registering again", self.peer_id,
-                    "forgot us" if forgotten else "silent")
+        log.warning("worker %s: broker at %s %s; registering again", self.peer_id, self.backend_endpoint,
+                    "forgot us" if forgotten else _silence(heart))
         heart.forgotten.clear()
         heart.last_heard = time.monotonic()
         if forgotten:
@@ -582,3 +582,10 @@ class Worker:
 def _fail_waiting(left: list[tuple[dict, list[int]]], failed: Failures, why: str) -> None:
     for body, idxs in left:
         failed.setdefault(body["work_id"], {}).update(dict.fromkeys(idxs, why))
+
+
+def _silence(heart: Heartbeater) -> str:
+    """How long the broker has been silent, as the worker's log says it."""
+    if heart.last_answer is None:
+        return "has not answered yet"
+    return f"silent for {time.monotonic() - heart.last_answer:.0f}s"

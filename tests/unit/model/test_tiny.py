@@ -97,6 +97,14 @@ def test_failed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
 
 
+def test_pre_training_shows_a_bar_with_its_steps_and_time_left(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    tiny_cache.tiny_teacher_dir(str(tmp_path), **{**SMALL, "train_steps": 7, "seed": 2})
+    err = capfd.readouterr().err
+    assert "pre-training the tiny LlamaForCausalLM" in err
+    assert "7/7" in err and ("step/s" in err or "s/step" in err)
+    assert "train loss" in err  # the bar's postfix
+
+
 def _build_in_child(cache_dir: str, result_file: str) -> None:
     """Child process: build the teacher, counting how often it was really built."""
     torch.set_num_threads(1)  # two children share the cores

@@ -4,9 +4,12 @@ refused before anything is written, and a cache hit imports nothing heavy."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,89 @@ def test_a_cache_hit_imports_neither_torch_nor_the_pre_training(tmp_path: Path) 
     found = json.loads(out.stdout)
     assert found["paths"] == [str(e) for e in entries]
     assert found["heavy"] == []
+
+
+HOLDER = """
+import os, sys, time
+from distill.model.tiny_cache import cached_dir
+
+def build(out_dir):
+    if sys.argv[3] == "fork" and os.fork() == 0:  # the child inherits the lock and outlives us
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.05)
+        os._exit(0)
+    print("building", flush=True)
+    if sys.argv[3] == "fork":
+        os._exit(0)  # the lock file names us; the lock stays held by the child
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    open(os.path.join(out_dir, "by"), "w").write("holder")
+
+cached_dir(sys.argv[1], "slow", build)
+"""
+
+
+def _hold_the_lock(tmp_path: Path, how: str) -> tuple[subprocess.Popen, Path]:
+    """A process building the entry ``slow`` until the file it returns exists."""
+    release = tmp_path / "release"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "cache"), str(release), how],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "building"
+    return holder, release
+
+
+def _wait_in_thread(cache: Path, built: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: built.append(tiny_cache.cached_dir(
+        str(cache), "slow", lambda out_dir: Path(out_dir, "by").write_text("waiter"))), daemon=True)
+    thread.start()
+    return thread
+
+
+def _until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_waiting_process_names_the_builder_s_pid_and_the_path_and_says_it_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiny_cache, "WAIT_LOG_EVERY_S", 0.3)
+    holder, release = _hold_the_lock(tmp_path, "plain")
+    try:
+        lock = tmp_path / "cache" / "slow.lock"
+        assert tiny_cache.lock_holder(str(lock)) == (holder.pid, True)
+        built: list[str] = []
+        with caplog.at_level(logging.INFO, logger="distill.model.tiny_cache"):
+            thread = _wait_in_thread(tmp_path / "cache", built)
+            said = lambda: [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]  # noqa: E731
+            _until(lambda: len(said()) >= 3, "the waiter did not repeat what it waits for")
+            lines = said()  # while the holder builds
+            release.touch()
+            thread.join(30)
+        assert lines[0] == f"waiting 0s for pid {holder.pid} building {tmp_path / 'cache' / 'slow'} (lock {lock})"
+        assert all(f"for pid {holder.pid} building" in line for line in lines)
+        assert built == [str(tmp_path / "cache" / "slow")]
+        assert (tmp_path / "cache" / "slow" / "by").read_text() == "holder"  # built once, by the holder
+        assert lock.read_text() == ""  # nobody holds it now
+        assert holder.wait(30) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_outliving_the_pid_it_names_is_said_to_and_taken_once_free(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    holder, release = _hold_the_lock(tmp_path, "fork")
+    holder.wait(30)  # exited; its forked child holds the lock
+    lock = tmp_path / "cache" / "slow.lock"
+    assert tiny_cache.lock_holder(str(lock)) == (holder.pid, False)
+    built: list[str] = []
+    with caplog.at_level(logging.INFO, logger="distill.model.tiny_cache"):
+        thread = _wait_in_thread(tmp_path / "cache", built)
+        _until(lambda: any("waiting" in r.getMessage() for r in caplog.records), "the waiter said nothing")
+        release.touch()  # the child exits: the kernel releases its lock
+        thread.join(30)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting"))
+    assert f"for pid {holder.pid}, which has exited (a process that inherited its lock holds it still)" in line
+    assert (tmp_path / "cache" / "slow" / "by").read_text() == "waiter"

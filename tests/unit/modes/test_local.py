@@ -170,7 +170,8 @@ def test_the_private_socket_dir_is_ours_alone(tmp_path: Path, monkeypatch) -> No
 def test_the_time_split_lands_in_result_json_and_report_md(children, tmp_path: Path) -> None:
     (tmp_path / "result.json").write_text(json.dumps({"summary": {}, "timings": {
         "student_compute_s": 6.0, "student_wait_s": 1.0, "student_start_s": 2.0}}))
-    (tmp_path / "report.md").write_text("# Distillation report\n")
+    (tmp_path / "report.md").write_text("# Distillation report\n\n## Time\n\n| phase | seconds | share |\n"
+                                        "| --- | --- | --- |\n| student_compute | 6.0 | 67% |\n\n## Losses\n")
     (tmp_path / "teacher_time.1.json").write_text(json.dumps({"teacher_s": 4.0, "copy_s": 0.5}))
     broker = _child(children, "broker", SLEEPER)
     local._report_time_split(tmp_path, broker, wall_s=10.0, num_workers=1)
@@ -181,6 +182,8 @@ def test_the_time_split_lands_in_result_json_and_report_md(children, tmp_path: P
     assert split[other] == pytest.approx(1.0)
     report = (tmp_path / "report.md").read_text()
     assert "## Where the time went" in report and "| student compute | 6.0 | 60% |" in report
+    assert "## Time\n" not in report and report.count(" | seconds | ") == 1  # one time table, the wall time's
+    assert report.index("## Where the time went") < report.index("## Losses")
 
 
 def test_the_supervisor_starts_without_transformers_or_matplotlib() -> None:

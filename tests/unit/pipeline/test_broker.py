@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 
 import pytest
@@ -146,7 +147,70 @@ def test_run_queue_counts_stay_equal_to_the_queues_through_every_change() -> Non
     table.drop(run, b)
     _check_counts(table, [a, b])
     assert b.queued == 0 and a.queued == 5
-    assert table.room(run, a) == (BrokerConfig().max_queued_per_student - 5, "max_queued_per_student")
+    room = table.make_room(run, a, 10)
+    assert (room.slots, room.limit, room.reclaimed) == (BrokerConfig().max_queued_per_student - 5,
+                                                        "max_queued_per_student", [])
+
+
+def _ask(table: RunTable, run_id: str, owner: Connection, count: int, first: int = 0):
+    """One REQUEST of ``count`` slots as the frontend makes it: room made, what fits queued."""
+    run = table.get_or_add(run_id, set)
+    room = table.make_room(run, owner, count)
+    if room.slots:
+        table.enqueue(run, _requests(owner, f"m-{owner.identity.decode()}",
+                                     [[i, i] for i in range(first, first + min(count, room.slots))]))
+    return room
+
+
+def test_a_run_that_asks_takes_its_share_back_from_a_run_that_holds_every_queued_slot() -> None:
+    """Issue 37: a run nobody serves used to keep max_queued filled, and every other run was
+    refused. A run that asks is owed max_queued / (runs asking): it takes that much back
+    from the run over its share, newest slots first, and that run gets no more meanwhile."""
+    table = RunTable(BrokerConfig(max_queued=100))
+    hog, good = Connection(b"hog", None), Connection(b"good", None)
+    assert _ask(table, "hog", hog, 100).slots == 100  # alone: all of it
+    room = _ask(table, "good", good, 30)
+    assert room.slots == 30 and room.limit == "max_queued"
+    assert [row for r in room.reclaimed for row in r.slots] == [[i, i] for i in range(70, 100)]
+    assert {r.owner for r in room.reclaimed} == {hog} and table.queued == 100
+    room = _ask(table, "hog", hog, 10, first=100)
+    assert (room.slots, room.limit, room.share, room.reclaimed) == (0, "max_queued", True, [])
+    room = _ask(table, "good", good, 40, first=30)  # up to its share of 50, taken from the hog's 70
+    assert room.slots == 20 and sum(len(r.slots) for r in room.reclaimed) == 20
+    assert table.runs["hog"].queued == table.runs["good"].queued == 50
+    _check_counts(table, [hog, good])
+
+
+def test_a_connection_that_asks_takes_its_share_of_its_run_back_from_one_over_its_share() -> None:
+    table = RunTable(BrokerConfig(max_queued=100, max_queued_per_run=60))
+    many, one = Connection(b"many", None), Connection(b"one", None)
+    assert _ask(table, "r", many, 100).slots == 60  # the run's limit binds
+    room = _ask(table, "r", one, 40)
+    assert room.slots == 30 and sum(len(r.slots) for r in room.reclaimed) == 30  # half of the run's 60
+    assert many.queued == one.queued == 30
+    assert _ask(table, "r", many, 5, first=100).slots == 0
+    _check_counts(table, [many, one])
+
+
+def test_fair_shares_never_take_the_broker_past_max_queued() -> None:
+    """Random asks and takes of 6 connections in 3 runs: the counts stay equal to the
+    queues, the total within max_queued, and every asker gets its share of it."""
+    rng = random.Random(37)
+    table = RunTable(BrokerConfig(max_queued=90, max_queued_per_student=40))
+    owners = [Connection(f"c{i}".encode(), None) for i in range(6)]
+    for step in range(2000):
+        owner = rng.choice(owners)
+        run_id = f"r{owners.index(owner) % 3}"
+        if rng.random() < 0.3:
+            table.take(table.get_or_add(run_id, set), rng.randint(1, 20))
+        else:
+            wanted = rng.randint(1, 40)
+            room = _ask(table, run_id, owner, wanted, first=1000 * step)
+            run = table.runs[run_id]
+            share = min(90 // table.asking // max(1, len(run.queues)), 40)
+            assert owner.queued >= min(wanted, share), (step, owner.queued, wanted, share, room)
+        assert table.queued <= 90
+        _check_counts(table, owners)
 
 
 def test_a_student_with_many_slots_queued_does_not_hold_up_the_one_behind_it() -> None:

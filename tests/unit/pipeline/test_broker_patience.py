@@ -4,12 +4,15 @@ tests/integration/test_slow_broker.py."""
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 
 import pytest
 
-from distill.pipeline import PoolConfig
+from distill.pipeline import PoolConfig, StudentClient, liveness
 from distill.pipeline.liveness import BrokerPatience
+from tests import peers
 
 
 def test_the_broker_s_process_is_named_when_the_patience_is_made() -> None:
@@ -32,3 +35,24 @@ def test_the_broker_s_process_is_named_when_the_patience_is_made() -> None:
 def test_bad_wait_settings_are_refused_naming_them(setting: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PoolConfig(**setting)
+
+
+def test_a_call_waiting_for_the_broker_says_for_what_where_and_how_long(
+        endpoints, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A student whose broker's process runs but does not serve yet (a broker starting on a
+    loaded machine) says now and then what it waits for, instead of nothing for minutes."""
+    monkeypatch.setattr(liveness, "WAIT_LOG_EVERY_S", 0.2)
+    broker = subprocess.Popen(["sleep", "30"])  # runs, and never answers
+    try:
+        with StudentClient(0, 1, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"], broker_pid=broker.pid, broker_wait_s=1.0) as client, \
+                caplog.at_level(logging.INFO, logger="distill.pipeline.liveness"), \
+                pytest.raises(TimeoutError, match="no answer to HELLO"):
+            client.hello()
+    finally:
+        broker.kill()
+        broker.wait()
+    said = [r.getMessage() for r in caplog.records if "waiting for the broker" in r.getMessage()]
+    assert len(said) >= 2, caplog.text
+    assert re.fullmatch(rf"student-\w+: waiting for the broker at {re.escape(endpoints['frontend'])} to answer "
+                        rf"HELLO: \d+s so far \(its process, pid {broker.pid}, runs; giving up after 1s\)", said[0])

@@ -4,12 +4,14 @@ consecutive per pool, request ids random). In-process broker and worker."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 
 import pytest
 import torch
 
 from distill.pipeline import Broker, DatasetConfig, DistillIterableDataset, StudentClient, Worker
+from distill.pipeline import dataset as dataset_module
 from distill.pipeline.dataset import META_KEYS
 from tests import peers
 
@@ -70,3 +72,28 @@ def test_batches_carry_consecutive_fill_numbers_and_random_request_ids(endpoints
     assert len(set(requests)) == len(requests)
     gaps = {b - a for a, b in zip(sorted(requests), sorted(requests)[1:], strict=False)}
     assert gaps != {1}  # not consecutive: nobody can guess the next one
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_samples_names_the_broker_and_its_workers(
+        endpoints, broker_kwargs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A student with a broker but no teacher worker says where it waits and that the broker
+    has no worker, then gives up at ``timeout_s``."""
+    monkeypatch.setattr(dataset_module, "WARN_EVERY_S", 0.3)
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.1).start()
+    try:
+        with StudentClient(0, 1, peers.batch_config(), endpoints["frontend"], endpoints["control"],
+                           endpoints["control_pub"], heartbeat_interval_s=0.1) as client:
+            client.hello()
+            client.set_model("m")
+            dataset = DistillIterableDataset(0, client.generation_value, 4, peers.batch_config(),
+                                             endpoints["frontend"], batch_size=2, timeout_s=2,
+                                             heartbeat_interval_s=0.1)
+            with caplog.at_level(logging.WARNING, logger="distill.pipeline.dataset"), \
+                    pytest.raises(TimeoutError, match="no sample for 2s"):
+                next(iter(dataset))
+    finally:
+        broker.stop()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
+    assert said, caplog.text
+    assert f"from the broker at {endpoints['frontend']}, which has 0 live workers:" in said[-1]

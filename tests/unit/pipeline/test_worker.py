@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -269,3 +271,19 @@ def test_a_large_encode_is_written_into_the_slot_once_and_a_kept_result_fails_it
                 assert sample["tag"].tolist() == tag
         finally:
             segments.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_without_a_broker_says_where_it_looks_and_for_how_long(
+        endpoints, caplog: pytest.LogCaptureFixture) -> None:
+    worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(),
+                    backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
+                    heartbeat_interval_s=0.1, heartbeat_liveness=2)
+    with caplog.at_level(logging.WARNING, logger="distill.pipeline.worker.loop"):
+        worker.start()
+        deadline = time.monotonic() + 20
+        while "registering again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.stop()
+    assert re.search(rf"worker \S+: broker at {re.escape(endpoints['backend'])} has not answered yet; "
+                     "registering again", caplog.text), caplog.text

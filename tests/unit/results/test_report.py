@@ -109,7 +109,7 @@ def test_write_report(tmp_path: Path) -> None:
     assert "+25.00%" in text  # relative gap 25 / 20 - 1
     # layer 1: ratio 0.25, last val loss 1.1 / (40 * 2) (twice that on student inputs), alone ppl
     # 22.5, tokens of stage 0
-    assert "| 1 | 0.25 | 0.25 | 0.01375 | 0.0275 | 22.5 | 25,600 |" in text
+    assert "| 1 | 0.2500 | 0.2500 | 0.01375 | 0.02750 | 22.50 | 25,600 |" in text
     assert "| **all** | 0.3333 | 0.3333 | – | – | – | 51,200 |" in text
     assert "after the layer stages" not in text and "identity baseline" not in text
     assert "| train | 60.0 | 60.0% |" in text
@@ -129,7 +129,7 @@ def test_write_report_without_eval(tmp_path: Path) -> None:
     ]
     text = Path(write_report(str(tmp_path), metrics, {}, {}, {}, {"train_s": 2.0})).read_text()
     assert "Not evaluated" in text
-    assert "| 3 | – | – | 0.5 | – | – | 640 |" in text
+    assert "| 3 | – | – | 0.5000 | – | – | 640 |" in text
     assert "| train | 2.0 | 100.0% |" in text
 
 
@@ -142,10 +142,10 @@ def test_write_report_after_an_e2e_stage_shows_both_per_layer_scores(tmp_path: P
                {"event": "stage_end", "stage": 1, "layers": [], "steps": 10, "tokens": 640, "best_step": 10}]
     text = Path(write_report(str(tmp_path), metrics, result.to_dict(), {}, {})).read_text()
     assert TABLE_HEADER + " spliced-alone, after the layer stages |" in text
-    assert "| 1 | – | – | 0.2 | 0.3 | 0.98 | 640 | 0.9 |" in text
-    assert "| replaced layers skipped (identity baseline) | 0.4 |" in text
+    assert "| 1 | – | – | 0.2000 | 0.3000 | 0.9800 | 640 | 0.9000 |" in text
+    assert "| replaced layers skipped (identity baseline) | 0.4000 |" in text
     assert "| end-to-end step | held-out cosine similarity of final hidden states |" in text
-    assert "| 10 | 0.97 |" in text and "kept the weights of step 10" in text
+    assert "| 10 | 0.9700 |" in text and "kept the weights of step 10" in text
 
 
 def test_write_report_encoder_without_timings(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_write_report_encoder_without_timings(tmp_path: Path) -> None:
     text = Path(write_report(str(tmp_path), [], result, {}, {"replacement": "copy"})).read_text()
     assert "cosine similarity" in text and "-10.00%" in text
     assert "## Time" not in text
-    assert "| 0 | – | – | – | – | 0.95 | – |" in text
+    assert "| 0 | – | – | – | – | 0.9500 | – |" in text
 
 
 def test_report_names_early_stops_and_the_e2e_stage(tmp_path: Path) -> None:
@@ -168,9 +168,9 @@ def test_report_names_early_stops_and_the_e2e_stage(tmp_path: Path) -> None:
     result = EvalResult(kind="lm", teacher=30.0, student=31.5, per_layer={0: 30.5, 1: 30.7}, num_tokens=100)
     text = Path(write_report(str(tmp_path), metrics, result, {}, {"student_after_layer_stages": 33.0})).read_text()
     assert "stage 0 (patience after 4 steps, 1,024 tokens)" in text and "stage 1 (" not in text
-    assert "Student after the layer stages: 33" in text
-    assert "| 10 | 31.5 |" in text
-    assert "| 0 | – | – | – | – | 30.5 | 1,024 |" in text  # the e2e stage names no layer: no layer budget
+    assert "Student after the layer stages: 33.00" in text
+    assert "| 10 | 31.50 |" in text
+    assert "| 0 | – | – | – | – | 30.50 | 1,024 |" in text  # the e2e stage names no layer: no layer budget
 
 
 def test_no_section_for_a_plain_run(tmp_path: Path) -> None:
@@ -186,6 +186,79 @@ def test_report_shows_the_hybrid_choice_and_its_curve(tmp_path: Path) -> None:
     result = EvalResult(kind="lm", teacher=30.0, student=30.6, per_layer={1: 30.1, 2: 30.5}, num_tokens=100)
     text = Path(write_report(str(tmp_path), [], result, {}, {}, hybrid=hybrid)).read_text()
     assert "`student.hybrid.keep_softmax=1`" in text and "converted layers [1, 2], kept layers [0]" in text
-    assert "| 1 | 0.01 | 30.2 | converted |" in text and "| 0 | 0.2 | 33 | **kept (teacher)** |" in text
-    assert "| 2 | 1, 2 | 31.1 |" in text and "trained student, 2 layers converted: 30.6" in text
+    assert "| 1 | 0.01000 | 30.20 | converted |" in text and "| 0 | 0.2000 | 33.00 | **kept (teacher)** |" in text
+    assert "| 2 | 1, 2 | 31.10 |" in text and "trained student, 2 layers converted: 30.60" in text
     assert (tmp_path / "hybrid.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------- issue 39 item 6
+
+
+def test_one_precision_per_column_keeps_every_measured_difference(tmp_path: Path) -> None:
+    """381.0 is not printed as "381" next to "381.3", and 381.25 / 381.31 do not both print as 381.3."""
+    result = EvalResult(kind="lm", teacher=381.0, student=381.3, per_layer={0: 381.25, 1: 381.31}, num_tokens=64)
+    text = Path(write_report(str(tmp_path), [], result, {}, {})).read_text()
+    assert "| teacher | 381.00 |" in text and "| student (all replacements) | 381.30 |" in text
+    assert "| 0 | – | – | – | – | 381.25 | – |" in text and "| 1 | – | – | – | – | 381.31 | – |" in text
+    assert "(teacher: 381.00)" in text
+    close = EvalResult(kind="lm", teacher=1000.0, student=1000.01, per_layer={}, num_tokens=64)
+    text = Path(write_report(str(tmp_path), [], close, {}, {})).read_text()
+    assert "| teacher | 1000.00 |" in text and "| 1000.01 |" in text and "+0.0010%" in text  # not +0.00%
+
+
+def test_the_configuration_table_shows_the_options_typed(tmp_path: Path) -> None:
+    """``replacement=linear_attention``, ``teacher=tiny_llama`` and the command line as typed; not the class
+    path of the replacement nor the teacher's cache directory."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from distill.config import CONF_DIR, register_configs
+    from distill.results.finish import chosen_options
+
+    register_configs()
+    typed = ["replacement=linear_attention", "student.layers=[1]"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=typed, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    summary = chosen_options(cfg)
+    text = Path(write_report(str(tmp_path), [], None, {}, summary)).read_text()
+    table = text.split("## Configuration")[1].split("##")[0]
+    assert "| `replacement` | linear_attention |" in table and "| `teacher` | tiny_llama |" in table
+    assert "| `command` | `python -m distill replacement=linear_attention student.layers=[1]` |" in table
+    assert "distill.replacements" not in table
+    assert table.index("`teacher`") < table.index("`teacher_source`")  # the cache path last, named as such
+
+
+def test_losses_png_draws_the_validation_curves(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from distill.results.report import _draw_curves, _train_curves, _val_curves
+
+    ax = Figure().subplots()
+    _draw_curves(ax, _train_curves(_synthetic_metrics()), _val_curves(_synthetic_metrics()))
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels.count("layer 0 (val)") == 1 and len(labels) == 6  # 3 layers: train and val each
+    val = next(line for line in ax.get_lines() if line.get_label() == "layer 2 (val)")
+    assert list(val.get_xdata()) == [20, 40]
+
+
+def test_a_run_restored_from_checkpoints_says_why_it_has_no_curves(tmp_path: Path) -> None:
+    summary = {"restored_layers": [0, 1], "checkpoint_dir": "outputs/checkpoints/mlp-0123456789"}
+    text = Path(write_report(str(tmp_path), [], None, {}, summary)).read_text()
+    losses = text.split("## Losses")[1]
+    assert "layers [0, 1] were not trained by this run" in losses and "mlp-0123456789" in losses
+    assert "losses.png" not in text and not (tmp_path / "losses.png").exists()  # no empty panels
+
+
+def test_local_s_time_split_replaces_the_student_s_time_table(tmp_path: Path) -> None:
+    """One time table: the run's wall-time split, not also the student's phases with another total."""
+    from distill.results.report_file import TIME_HEADING, replace_section
+    from distill.train.timing import format_time_split
+
+    write_report(str(tmp_path), _synthetic_metrics(), None, {}, {}, timings={"student_compute_s": 84.6})
+    split = format_time_split([("student compute", 84.6), ("student other", 28.1)], 112.7, 1)
+    replace_section(str(tmp_path), TIME_HEADING, split)
+    text = (tmp_path / "report.md").read_text()
+    assert text.count(" | seconds | ") == 1  # the time table, once
+    assert TIME_HEADING + "\n" not in text and "Run wall time 112.7 s" in text
+    assert text.index("## Where the time went") < text.index("## Losses")  # in place, the plot still last

@@ -106,7 +106,7 @@ def test_loading_weights_of_another_architecture_fails_loudly(tmp_path: Path) ->
 def test_checkpoint_fingerprint_ignores_how_batches_are_fetched_and_logged() -> None:
     """A rerun with other loader/logging settings (or teacher pace) resumes; other weights start afresh."""
     base = ckpt.config_fingerprint(_compose([]), "tiny")
-    assert base.startswith("LinearAttentionLayer-")
+    assert base.startswith("linear_attention-")  # the option typed, as the README says
     same = ["student.loader_workers=2", "student.prefetch_batches=0", "student.log_every_steps=1",
             "student.checkpoint_every_steps=7", "teacher.sleep_per_batch_s=0.05"]
     assert ckpt.config_fingerprint(_compose(same), "tiny") == base
@@ -119,3 +119,19 @@ def test_checkpoint_dir_is_the_setting_or_the_fingerprint(tmp_path: Path) -> Non
     assert ckpt.checkpoint_dir(_compose([f"checkpoint_dir={tmp_path}"])) == tmp_path
     cfg = _compose(["teacher=hf", f"teacher.name_or_path={tmp_path}"])
     assert ckpt.checkpoint_dir(cfg) == Path("outputs/checkpoints") / ckpt.config_fingerprint(cfg, str(tmp_path))
+
+
+def test_checkpoint_folders_are_named_by_the_replacement_option_and_old_folders_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``<replacement>-<hash>`` with the option name (``replacement=mlp``: ``mlp-...``); a run
+    checkpointed under the class name before (``ResidualMLP-<same hash>``) is found and resumed."""
+    monkeypatch.chdir(tmp_path)
+    cfg = _compose(["replacement=mlp", "teacher=hf", f"teacher.name_or_path={tmp_path}"])
+    named = ckpt.checkpoint_dir(cfg)
+    digest = named.name.split("-", 1)[1]
+    assert named == Path("outputs/checkpoints") / f"mlp-{digest}"
+    old = Path("outputs/checkpoints") / f"ResidualMLP-{digest}"
+    old.mkdir(parents=True)
+    assert ckpt.checkpoint_dir(cfg) == old
+    named.mkdir()
+    assert ckpt.checkpoint_dir(cfg) == named  # once the new name exists, it wins
