@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -126,6 +127,18 @@ def fetch_stats(frontend_endpoint: str, timeout_s: float = 2.0) -> dict | None:
         return reply.body["stats"] if reply is not None and reply.command is Command.STATS_REPLY else None
     finally:
         peer.close()
+
+
+def stats_when(frontend_endpoint: str, holds: Callable[[dict], bool], timeout_s: float = 5.0) -> dict | None:
+    """The first STATS answer for which ``holds`` is true, asking until ``timeout_s`` passes;
+    the last answer otherwise. The broker keeps its encoded answer up to
+    ``report.MAX_AGE_S``, so an answer right after an event may predate it."""
+    deadline = time.monotonic() + timeout_s
+    stats = fetch_stats(frontend_endpoint)
+    while (stats is None or not holds(stats)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        stats = fetch_stats(frontend_endpoint)
+    return stats
 
 
 FLOOD_KINDS = ("maps", "oversized", "requests")
