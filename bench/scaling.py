@@ -19,6 +19,12 @@ samples delivered over ``--seconds``. ``ideal`` is N x the one-worker rate of th
 run; ``ratio`` = delivered / ideal, and ``per worker`` how many samples each worker
 process wrote in the window (its share; a worker that idles shows 0).
 
+The README's own order comes next (``--first-repeats`` times for each N of 1, 2, 4, 8;
+``--quick``: 2): a fresh broker, N workers started and announced (``--settle``), and
+only then the student. The window opens ``FIRST_SETTLE_S`` after the student is ready
+(shares should hold within about a second of the first request); ``min share x N`` is
+the smallest worker's share over an even one (1.00: even; 0: a worker left idle).
+
 ``--app`` asks the same of the application instead (``bench/scaling_app.py``): jobs of
 ``python -m distill mode=local local.num_workers=N teacher.sleep_per_batch_s=0.05`` that
 train, N = ``--app-workers``, and one job to which a worker is added (its ``add_worker.sh``)
@@ -57,6 +63,9 @@ PHASES = (1, 2, 4, 8, 4, 2)
 SAMPLE_FLOATS = 1024
 """4 KiB samples: small enough that copying them costs nothing next to the teacher."""
 RUN_ID = "scaling"
+FIRST_SETTLE_S = 1.0
+"""Workers first: the window opens this long after the student is ready."""
+FIRST_COUNTS = (1, 2, 4, 8)
 
 
 def batch_config() -> BatchConfig:
@@ -150,6 +159,27 @@ def measure(pool: Pool, delivered: list, workers: int, settle_s: float, seconds:
     return phase
 
 
+def workers_first(args: argparse.Namespace, workers: int, seconds: float) -> Phase:
+    """The README's order: a fresh broker, ``workers`` workers announced, then the students."""
+    sock_dir = tempfile.mkdtemp(prefix="distill-bench-first-")
+    endpoints = {name: f"ipc://{sock_dir}/{name}.sock" for name in ("frontend", "backend", "control", "control_pub")}
+    delivered = [SPAWN.Value("q", 0, lock=False) for _ in range(args.students)]
+    pool = Pool(endpoints, args.delay_ms / 1000, args.per_sample, args.max_batch)
+    try:
+        with Children() as fixed:
+            fixed.start(run_broker, endpoints)
+            pool.resize(workers)
+            time.sleep(args.settle)  # each worker's READY and first heartbeat are in
+            for rank, count in enumerate(delivered):
+                fixed.start(run_student, endpoints, rank, args.slots, count)
+            try:
+                return measure(pool, delivered, workers, FIRST_SETTLE_S, seconds)
+            finally:
+                pool.close()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--students", type=int, default=1, choices=(1, 2), help="DDP ranks of the run")
@@ -161,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="measuring window per phase (default 4, quick 1.5)")
     parser.add_argument("--settle", type=float, default=2.0, help="wait after each change of workers")
     parser.add_argument("--quick", action="store_true", help="short windows, phases 1 and 2 only")
+    parser.add_argument("--first-repeats", type=int, default=None,
+                        help="runs of each N in the workers-first order (default 3, quick 2; 0: none)")
     app = parser.add_argument_group("the application (--app)")
     app.add_argument("--app", action="store_true", help="measure mode=local jobs instead of the library")
     app.add_argument("--app-workers", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8],
@@ -193,12 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                 results = [measure(pool, delivered, n, args.settle, seconds) for n in phases]
             finally:
                 pool.close()
+        repeats = args.first_repeats if args.first_repeats is not None else (2 if args.quick else 3)
+        counts = FIRST_COUNTS[:2] if args.quick else FIRST_COUNTS
+        print("workers first:", file=sys.stderr, flush=True)
+        first = [workers_first(args, n, seconds) for n in counts for _ in range(repeats)]
     except KeyboardInterrupt:
         print("\ninterrupted: children stopped", file=sys.stderr)
         return 130
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
-    _print_table(results, args, seconds, load_before, time.perf_counter() - started)
+    _print_table(results, first, args, seconds, load_before, time.perf_counter() - started)
     return 0
 
 
@@ -219,19 +255,23 @@ def _run_app(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(results: list[Phase], args: argparse.Namespace, seconds: float, load_before: float,
-                 total_s: float) -> None:
+def _print_table(results: list[Phase], first: list[Phase], args: argparse.Namespace, seconds: float,
+                 load_before: float, total_s: float) -> None:
     one = results[0].per_s
     per = "sample" if args.per_sample else "batch"
     print(f"distill scaling benchmark: workers sleeping {args.delay_ms:g} ms per {per}, batches of {args.max_batch} "
           f"(4 KiB samples), {args.students} student rank(s) x {args.slots} slots, request_sample/release_slot; "
           f"{os.cpu_count()} CPUs; {seconds:g} s per phase after {args.settle:g} s; load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
-    print(f"\n{'workers':>7} | {'samples/s':>9} | {'ideal':>7} | {'ratio':>5} | per worker (samples in the window)")
-    for phase in results:
-        ideal = phase.workers * one
-        print(f"{phase.workers:>7} | {phase.per_s:>9.1f} | {ideal:>7.1f} | {phase.per_s / ideal:>5.2f} | "
-              f"{' '.join(str(n) for n in phase.per_worker)}")
+    print(f"\n{'order':>13} | {'workers':>7} | {'samples/s':>9} | {'ideal':>7} | {'ratio':>5} | {'min share x N':>13} | "
+          "per worker (samples in the window)")
+    for order, phases in (("joining", results), ("workers first", first)):
+        for phase in phases:
+            ideal = phase.workers * one
+            total = max(1, sum(phase.per_worker))
+            evenness = min(phase.per_worker) * phase.workers / total if phase.per_worker else 0.0
+            print(f"{order:>13} | {phase.workers:>7} | {phase.per_s:>9.1f} | {ideal:>7.1f} | {phase.per_s / ideal:>5.2f} | "
+                  f"{evenness:>13.2f} | {' '.join(str(n) for n in phase.per_worker)}")
     best = 1000 / args.delay_ms * (1 if args.per_sample else args.max_batch)
     print(f"\ntheoretical one-worker rate {best:.0f} samples/s; total {total_s:.0f} s")
 

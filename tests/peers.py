@@ -504,3 +504,22 @@ def run_hanging_worker(endpoints: dict[str, str], hang_after: int, busy_file: st
     Worker(batch_fn=batch_fn, batch_config=batch_config(), max_batch=2, direct_requests=direct_requests,
            backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
            heartbeat_interval_s=heartbeat_interval_s).run()
+
+
+def run_pacing_worker(endpoints: dict[str, str], delay_s: float, sample_bytes: int = 1024) -> None:
+    """The seed README's worker (``generator_fn``, every other argument at its default)
+    whose teacher takes ``delay_s`` per sample without using the host's CPU (a sleep, as
+    a GPU forward would); each sample's first word is the worker's pid, so a consumer can
+    tell which worker filled it."""
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    config = readme_config(sample_bytes)
+
+    def generate(model_id: str, model_cfg: dict | None) -> bytes:
+        time.sleep(delay_s)
+        x = torch.zeros(sample_bytes // 8, dtype=torch.int64)
+        x[0] = os.getpid()
+        return config.encode(x=x)
+
+    Worker(generator_fn=generate, slot_size=config.nbytes(), backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"]).run()

@@ -7,6 +7,13 @@ returns it. WORKs hold slots of one run (one model), up to the worker's ``max_ba
 least loaded worker: the most credit, less the DIRECT slots its last heartbeat said it
 holds (``backlog``: students' direct requests, which spend no credit here).
 
+A run's slots are spread over the workers that can take them (``spread``): a worker
+gets at most its fair part of what the run has queued and in flight with us, so a
+student's first request, sent when every worker is idle, is split among all of them.
+Sent whole to the first, that worker would fill every slot, and the slot's lane
+(``custody.py``: a filled slot goes back straight to its filler) would keep the
+others idle; split, each worker fills a share and keeps it while it keeps up.
+
 A request carries no generation of its own beyond "at least this one": the broker
 stamps the run's *current* generation when it hands the slot to a worker, and
 completes a slot only if that generation is still current; otherwise the student is
@@ -28,8 +35,9 @@ slots queued where they were (and the error to the loop's guard).
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Container, Iterator
+from collections.abc import Collection, Container, Iterable, Iterator
 from typing import Any
 
 from distill.pipeline import protocol
@@ -63,30 +71,35 @@ class Dispatcher:
         workers, order = state.workers.peers, state.runs.order
         idle = 0
         while workers and idle < len(order):
-            worker = least_loaded(workers.values())
-            if worker is None:
-                return
             run = state.runs.runs[order[0]]
             order.rotate(-1)
-            if run.model_id is None or not run.queued or not self._send_next(worker, run):
+            if run.model_id is None or not run.queued:
+                idle += 1
+                continue
+            placed = spread(workers.values(), run)
+            if placed is None:
+                return
+            if not self._send_next(*placed, run):
                 idle += 1
                 continue
             idle = 0
 
-    def _send_next(self, worker: WorkerPeer, run: RunState) -> bool:
-        """One WORK for ``worker``: ``run`` alone, or with the runs it shares its model
-        with. False when the slots wait for a partner run (see ``_waits``)."""
+    def _send_next(self, worker: WorkerPeer, part: int, run: RunState) -> bool:
+        """One WORK of at most ``part`` samples for ``worker``: ``run`` alone, or with the
+        runs it shares its model with. False when the slots wait for a partner run (see
+        ``_waits``)."""
+        count = min(worker.credit, worker.max_batch, part)
         if not run.share_model:
-            self._send_work(worker, run, min(worker.credit, worker.max_batch))
+            self._send_work(worker, run, count)
             return True
         if self._waits(worker, run):
             return False
         partners = self._partners(run)
         if partners:
             runs = [run, *partners[:MAX_SHARED_RUNS - 1]]
-            self._send_shared_work(worker, runs, min(worker.credit, worker.max_batch, MAX_WORK_ITEMS // len(runs)))
+            self._send_shared_work(worker, runs, min(count, MAX_WORK_ITEMS // len(runs)))
         else:
-            self._send_work(worker, run, min(worker.credit, worker.max_batch))
+            self._send_work(worker, run, count)
         return True
 
     def _waits(self, worker: WorkerPeer, run: RunState) -> bool:
@@ -232,7 +245,37 @@ class Dispatcher:
         self.state.completed_rate.add(num_rows)
 
 
-def least_loaded(workers: Any) -> WorkerPeer | None:
+def spread(workers: Collection[WorkerPeer], run: RunState) -> tuple[WorkerPeer, int] | None:
+    """The worker that gets ``run``'s next WORK and how many slots it may take (None: no
+    worker has credit).
+
+    The run's slots queued and in flight with us are split evenly among the workers that
+    can take some now (credit) or hold some already; the least loaded worker still below
+    its part gets the rest of it. When every worker with credit holds its part already
+    (the others are busy with other runs), the least loaded takes what is queued: a slot
+    never waits while a worker has credit for it."""
+    able = [worker for worker in workers if worker.credit > 0]
+    if not able:
+        return None
+    if len(workers) == 1:
+        return able[0], run.queued
+    held = {worker.identity: _held(worker, run.run_id) for worker in workers}
+    takers = sum(1 for worker in workers if worker.credit > 0 or held[worker.identity])
+    fair = math.ceil((run.queued + sum(held.values())) / takers)
+    below = least_loaded(worker for worker in able if held[worker.identity] < fair)
+    if below is None:
+        worker = least_loaded(able)
+        assert worker is not None
+        return worker, run.queued
+    return below, fair - held[below.identity]
+
+
+def _held(worker: WorkerPeer, run_id: str) -> int:
+    """Slots of ``run_id`` the worker holds in WORKs from us."""
+    return sum(part.num_slots for part in parts(worker.in_flight.values()) if part.run_id == run_id)
+
+
+def least_loaded(workers: Iterable[WorkerPeer]) -> WorkerPeer | None:
     """The worker with credit that is least loaded: the most credit once its DIRECT
     backlog is counted against it. A worker kept busy by students' direct requests
     still has all its broker credit; picked by credit alone it would get the slots a
