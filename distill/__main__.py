@@ -171,7 +171,8 @@ def _override_error(exc: Exception, overrides: list[str]) -> str:
         return f"unknown key {key}: {_suggest(key, overrides)}"
     if isinstance(exc, MissingConfigException) and exc.options:
         group, option = str(exc.missing_cfg_file).rsplit("/", 1)
-        return f"{group}={option}: no such option; choose one of {', '.join(exc.options)}"
+        options = [o for o in exc.options if not o.endswith("_schema")]  # the schema nodes are not choices
+        return f"{group}={option}: no such option; choose one of {', '.join(options)}"
     reasons = [line.strip() for text in (str(exc), str(cause) if cause is not exc else "")
                for line in text.splitlines() if line.strip() and not line.startswith(" ")]
     return "; ".join(dict.fromkeys(reasons)) or type(exc).__name__

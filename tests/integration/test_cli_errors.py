@@ -43,6 +43,7 @@ def test_unknown_key_of_a_chosen_option(tmp_path: Path) -> None:
 def test_unknown_option_lists_the_options(tmp_path: Path) -> None:
     line = _one_line(_run(["replacement=foo"], tmp_path))
     assert line.startswith("replacement=foo: no such option; choose one of copy, ")
+    assert "_schema" not in line  # the schema's nodes are not options a user can choose
 
 
 def test_bad_value_names_the_key(tmp_path: Path) -> None:
