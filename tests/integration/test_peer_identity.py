@@ -73,6 +73,23 @@ def test_a_ready_naming_another_worker_does_not_take_its_work(served, endpoints)
         impostor.close()
 
 
+def test_a_heartbeat_naming_another_worker_keeps_it_neither_alive_nor_progressing(served, endpoints) -> None:
+    """A hung worker whose beats another connection forges would never meet its deadline;
+    the worker's own beat socket (``<identity>/beat``) is heard as before."""
+    broker, worker, student, work = served
+    impostor, beats = Peer(endpoints["backend"], "impostor"), Peer(endpoints["backend"], "worker-victim/beat")
+    try:
+        impostor.send(Command.HEARTBEAT, {"peer_id": "worker-victim", "role": "worker", "batches": 7})
+        assert "bound to another connection" in impostor.expect(Command.ERROR).body["reason"]
+        assert broker.stats.foreign == 1
+        beats.send(Command.HEARTBEAT, {"peer_id": "worker-victim", "role": "worker", "batches": 1})
+        assert beats.expect(Command.HEARTBEAT).body["peer_id"]  # the broker's answer names the broker
+        assert broker.stats.foreign == 1
+    finally:
+        impostor.close()
+        beats.close()
+
+
 def test_hello_and_bye_naming_another_student_leave_its_queue_alone(endpoints, broker_kwargs) -> None:
     """No worker: the victim's slots stay queued, and an impostor's HELLO (which used to
     re-bind the id to the impostor's connection, dropping the queue) or BYE (which
@@ -106,7 +123,7 @@ def test_with_curve_a_heartbeat_must_carry_the_key_its_peer_registered_with(tmp_
     broker = Broker(**broker_kwargs, curve=server).start()
     keys = {name: CurveConfig.from_keys_dir(tmp_path / "keys", name).client_keys() for name in ("victim", "evil")}
     worker = Peer(endpoints["backend"], "worker-victim", keys=keys["victim"])
-    beats = Peer(endpoints["backend"], keys=keys["victim"])  # its heartbeat socket: another connection
+    beats = Peer(endpoints["backend"], "worker-victim/beat", keys=keys["victim"])  # its heartbeat socket
     impostor = Peer(endpoints["backend"], keys=keys["evil"])
     try:
         worker.send(Command.READY, {"peer_id": "worker-victim", "credit": 4, "max_batch": 4})

@@ -22,8 +22,9 @@ import time
 
 from distill.pipeline.broker import limits
 from distill.pipeline.broker.dispatch import Dispatcher, parts
-from distill.pipeline.broker.records import Work, WorkerPeer, check_key
+from distill.pipeline.broker.records import Impostor, Work, WorkerPeer, check_key
 from distill.pipeline.broker.state import BrokerState
+from distill.pipeline.liveness import beat_identity
 from distill.pipeline.protocol import Command
 from distill.pipeline.throttle import LogThrottle
 
@@ -52,13 +53,19 @@ class Backend:
         peer.max_batch = limits.worker_batch(body["max_batch"])
 
     def on_heartbeat(self, identity: bytes, key: str | None, body: dict) -> None:
-        """From the worker's heartbeat socket (not its work connection): bound by key only."""
+        """From the worker's heartbeat socket, whose routing identity is its work
+        connection's with a suffix (``liveness.beat_identity``), or from that connection
+        itself: a beat from any other connection keeps no worker alive and reports no
+        progress for it (one socket beating for a hung worker would hide it from its
+        deadline for ever); with keys it carries the worker's."""
         state = self.state
         peer = state.workers.peers.get(body["peer_id"])
         if peer is None:
             state.send.to_worker(identity, Command.RECONNECT, {})
             return
         check_key(f"worker {peer.peer_id[:64]}", peer.key, key)
+        if identity not in (peer.identity, beat_identity(peer.identity)):
+            raise Impostor(f"HEARTBEAT names worker {peer.peer_id[:64]}, which is bound to another connection: refused")
         peer.last_seen = now = time.monotonic()
         backlog = min(body.get("backlog") or 0, limits.MAX_DIRECT_PER_REPORT)
         if backlog and not peer.backlog:
