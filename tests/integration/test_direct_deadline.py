@@ -98,7 +98,10 @@ def test_a_worker_that_hangs_serving_direct_requests_is_given_up_on(procs, endpo
     finally:
         healthy.stop()
         broker.stop()
-    assert first_s < 10 and took_s < 30, (first_s, took_s)
+    # The lane is given up on after LANE_DEADLINE_FACTOR (10) x its slowest recent wait
+    # between answers: a loaded machine stretches that wait past 1 s (seen: 10.05 s on
+    # main under -n2 with two more test files beside it), hence 15 s, not 10.
+    assert first_s < 15 and took_s < 30, (first_s, took_s)
     assert healthy.samples_written >= 60
     messages = [record.getMessage() for record in caplog.records]
     if broker_deadline == "derived":
