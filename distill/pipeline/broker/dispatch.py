@@ -249,26 +249,27 @@ def spread(workers: Collection[WorkerPeer], run: RunState) -> tuple[WorkerPeer, 
     """The worker that gets ``run``'s next WORK and how many slots it may take (None: no
     worker has credit).
 
-    While no worker serves direct requests (a run's start: no slot has a lane yet), the
-    run's slots queued and in flight with us are split evenly among the workers that can
-    take some now (credit) or hold some already, and the least loaded worker still below
-    its part gets the rest of it. Once lanes carry the load (some worker reports a DIRECT
-    ``backlog``), what reaches us is what a worker's share could not hold, a late joiner's
-    part or slots taken back from a hung lane: the least loaded worker takes all of it,
-    its backlog counted against it (so a worker hung on direct requests gets none). A slot
-    never waits while a worker has credit for it."""
+    A worker's load is the run's slots it holds in WORKs from us plus the DIRECT slots its
+    last heartbeat said it holds (``backlog``: a worker busy with, or hung on, students'
+    direct requests is loaded though it spends no credit here). The run's queued slots and
+    those loads are split evenly among the workers that can take some now (credit) or are
+    loaded, and the least loaded worker still below its part gets the rest of it. So a
+    student's first request, sent while every worker idles, is split among all of them,
+    and slots taken back from a hung lane go to the others. When every worker with credit
+    holds its part already (the others are busy with other runs), the least loaded takes
+    what is queued: a slot never waits while a worker has credit for it."""
     able = [worker for worker in workers if worker.credit > 0]
     if not able:
         return None
-    if len(workers) == 1 or any(worker.backlog for worker in workers):
+    if len(workers) == 1:
         return _whole(able, run)
-    held = {worker.identity: _held(worker, run.run_id) for worker in workers}
-    takers = sum(1 for worker in workers if worker.credit > 0 or held[worker.identity])
-    fair = math.ceil((run.queued + sum(held.values())) / takers)
-    below = least_loaded(worker for worker in able if held[worker.identity] < fair)
+    load = {worker.identity: _held(worker, run.run_id) + worker.backlog for worker in workers}
+    takers = sum(1 for worker in workers if worker.credit > 0 or load[worker.identity])
+    fair = math.ceil((run.queued + sum(load.values())) / takers)
+    below = least_loaded(worker for worker in able if load[worker.identity] < fair)
     if below is None:
         return _whole(able, run)
-    return below, fair - held[below.identity]
+    return below, fair - load[below.identity]
 
 
 def _whole(able: list[WorkerPeer], run: RunState) -> tuple[WorkerPeer, int]:
