@@ -141,6 +141,21 @@ def stats_when(frontend_endpoint: str, holds: Callable[[dict], bool], timeout_s:
     return stats
 
 
+def samples_per_s(client, generation: int, seconds: float, watch: Callable[[], None] | None = None) -> float:
+    """A good student's samples/s over ``seconds`` (each of ``generation``; none may take
+    5 s); ``watch`` is called after each sample."""
+    count, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        ref = client.request_sample(timeout_ms=5000)
+        assert ref is not None, "the good student got no sample for 5 s"
+        assert ref.generation == generation
+        client.release_slot(ref.slot_id)
+        count += 1
+        if watch is not None:
+            watch()
+    return count / seconds
+
+
 FLOOD_KINDS = ("maps", "oversized", "requests")
 
 

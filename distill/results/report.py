@@ -77,19 +77,18 @@ def _of_layer_stages(metrics: list[dict]) -> list[dict]:
 
 def _train_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
     """{layer: (steps, losses)} from the train events' per-layer losses."""
-    curves: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-    for record in _events(_of_layer_stages(metrics), "train"):
-        for idx, loss in (record.get("layer_losses") or {}).items():
-            steps, losses = curves[int(idx)]
-            steps.append(int(record["step"]))
-            losses.append(float(loss))
-    return dict(sorted(curves.items()))
+    return _layer_curves(metrics, "train")
 
 
 def _val_curves(metrics: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
     """{layer: (steps, validation losses on teacher inputs)} from the val events."""
+    return _layer_curves(metrics, "val")
+
+
+def _layer_curves(metrics: list[dict], event: str) -> dict[int, tuple[list[int], list[float]]]:
+    """{layer: (steps, losses)} from the layer stages' ``event`` records."""
     curves: dict[int, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
-    for record in _events(_of_layer_stages(metrics), "val"):
+    for record in _events(_of_layer_stages(metrics), event):
         for idx, loss in (record.get("layer_losses") or {}).items():
             steps, losses = curves[int(idx)]
             steps.append(int(record["step"]))

@@ -22,7 +22,7 @@ from distill.pipeline import Broker, StudentClient, protocol
 from distill.pipeline.protocol import Command
 from tests import peers
 from tests.conftest import SPAWN
-from tests.hostile import Peer, fetch_stats, run_flooder, set_model
+from tests.hostile import Peer, fetch_stats, run_flooder, samples_per_s, set_model
 from tests.procfs import rss_bytes
 
 log = logging.getLogger(__name__)
@@ -178,17 +178,6 @@ MIN_SHARE = 0.5
 """What the good student keeps of its quiet rate under a STATS flood (it kept 2%)."""
 
 
-def _samples_per_s(client: StudentClient, generation: int, seconds: float) -> float:
-    count, end = 0, time.monotonic() + seconds
-    while time.monotonic() < end:
-        ref = client.request_sample(timeout_ms=5000)
-        assert ref is not None, "the good student got no sample for 5 s"
-        assert ref.generation == generation
-        client.release_slot(ref.slot_id)
-        count += 1
-    return count / seconds
-
-
 @pytest.mark.alone
 def test_a_stats_flood_with_a_thousand_runs_leaves_a_good_student_its_samples(procs, endpoints) -> None:
     broker = _start_broker(procs, endpoints, SLOW_BEAT_S)
@@ -200,15 +189,15 @@ def test_a_stats_flood_with_a_thousand_runs_leaves_a_good_student_its_samples(pr
                            endpoints["control_pub"], heartbeat_interval_s=0.2, direct_requests=False) as client:
             client.hello()
             generation = client.set_model("m")
-            _samples_per_s(client, generation, 0.5)  # warm up
-            quiet = _samples_per_s(client, generation, QUIET_S)
+            samples_per_s(client, generation, 0.5)  # warm up
+            quiet = samples_per_s(client, generation, QUIET_S)
             started = [SPAWN.Event() for _ in range(2)]
             flooders = [procs.start(run_flooder, endpoints["frontend"], ("stats",), FLOOD_S + 30, counts,
                                     FLOOD_PER_S, started[i], name=f"flooder{i}") for i in range(2)]
             for i, event in enumerate(started):
                 assert event.wait(60), f"flooder{i} did not start"
             time.sleep(0.5)  # past the flooders' start
-            flooded = _samples_per_s(client, generation, FLOOD_S)
+            flooded = samples_per_s(client, generation, FLOOD_S)
         stats = fetch_stats(endpoints["frontend"], timeout_s=10)
         log.info("good student %.0f samples/s quiet, %.0f under a STATS flood with %d runs; %s", quiet, flooded,
                  NUM_RUNS, {k: (stats or {}).get(k) for k in ("runs", "dropped_replies", "throttled")})

@@ -19,7 +19,7 @@ import pytest
 from distill.pipeline import StudentClient
 from tests import peers
 from tests.conftest import SPAWN
-from tests.hostile import FLOOD_KINDS, fetch_stats, run_flooder
+from tests.hostile import FLOOD_KINDS, fetch_stats, run_flooder, samples_per_s
 from tests.procfs import rss_bytes
 
 log = logging.getLogger(__name__)
@@ -33,19 +33,6 @@ MIN_SHARE = 0.1
 than 1 on a 2-core machine, where the flooder's own sending takes most of a core; 0 if stalled."""
 
 
-def _samples_per_s(client: StudentClient, generation: int, seconds: float, watch=None) -> float:
-    count, end = 0, time.monotonic() + seconds
-    while time.monotonic() < end:
-        ref = client.request_sample(timeout_ms=5000)
-        assert ref is not None, "the good student got no sample for 5 s"
-        assert ref.generation == generation
-        client.release_slot(ref.slot_id)
-        count += 1
-        if watch is not None:
-            watch()
-    return count / seconds
-
-
 def test_a_flooding_peer_neither_stalls_the_broker_nor_fills_its_memory(procs, endpoints) -> None:
     broker = procs.start(peers.run_broker, endpoints, name="broker")
     procs.start(peers.run_worker, endpoints, name="worker", direct_requests=False)
@@ -57,8 +44,8 @@ def test_a_flooding_peer_neither_stalls_the_broker_nor_fills_its_memory(procs, e
                        endpoints["control_pub"], heartbeat_interval_s=0.2, direct_requests=False) as client:
         client.hello()
         generation = client.set_model("m")
-        _samples_per_s(client, generation, 0.5)  # warm up
-        quiet = _samples_per_s(client, generation, QUIET_S)
+        samples_per_s(client, generation, 0.5)  # warm up
+        quiet = samples_per_s(client, generation, QUIET_S)
         rss_before = rss_bytes(broker.pid)
         procs.start(run_flooder, endpoints["frontend"], FLOOD_KINDS, FLOOD_S + 30, counts, name="flooder")
         waits, peak = [], [rss_before]
@@ -74,8 +61,8 @@ def test_a_flooding_peer_neither_stalls_the_broker_nor_fills_its_memory(procs, e
             next_check[0] = time.monotonic() + 0.25
 
         while fetch_stats(endpoints["frontend"], timeout_s=10)["bad_messages"] < 3:  # every flooder is on
-            _samples_per_s(client, generation, 0.1, watch)
-        flooded = _samples_per_s(client, generation, FLOOD_S, watch)
+            samples_per_s(client, generation, 0.1, watch)
+        flooded = samples_per_s(client, generation, FLOOD_S, watch)
         stats = fetch_stats(endpoints["frontend"])
     log.info("good student %.0f samples/s quiet, %.0f under the flood; broker RSS %.0f -> peak %.0f MiB; "
              "STATS waits up to %.3f s; %s", quiet, flooded, rss_before / 2**20, max(peak) / 2**20, max(waits),
