@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 3
 MIN_INTERVAL_S = 0.01
+EARLY_BEAT_GAP_S = 0.1
+"""An early beat (``Heartbeater.beat_soon``) comes at least this long after the last beat."""
 RECONNECT_INTERVAL_INIT_S = 0.1
 RECONNECT_INTERVAL_MAX_S = 5.0
 BROKER_SILENCE_S = 10.0
@@ -88,6 +90,7 @@ class Heartbeater:
         """How many live workers the broker has, as its last answer said (None: not told)."""
         self._first_beat_s = 0.0 if first_beat_now else interval_s
         self._stop = threading.Event()
+        self._soon = threading.Event()
         self._beats = 0
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{peer_id}", daemon=True)
 
@@ -100,6 +103,12 @@ class Heartbeater:
         self._stop.set()
         if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval_s + 1)
+
+    def beat_soon(self) -> None:
+        """Beat now rather than at the end of the interval (at most one beat per
+        EARLY_BEAT_GAP_S): what a beat carries changed in a way the broker should know
+        before it routes more work (a worker whose DIRECT backlog just emptied)."""
+        self._soon.set()
 
     @property
     def broker_alive(self) -> bool:
@@ -121,6 +130,7 @@ class Heartbeater:
             while not self._stop.is_set():
                 self._beats += 1
                 body = {"peer_id": self.peer_id, "role": self.role}
+                self._soon.clear()  # what an early beat was asked for goes out with this one
                 if self._extra is not None:
                     body.update(self._extra())
                 with contextlib.suppress(zmq.Again):
@@ -132,10 +142,14 @@ class Heartbeater:
             sock.close(linger=0)
 
     def _listen(self, sock: zmq.Socket, watch: HandshakeWatch | None) -> None:
-        """Take the broker's answers for one interval (and note a refused handshake)."""
-        deadline = time.monotonic() + self.interval_s
+        """Take the broker's answers for one interval, or until an early beat is due once
+        EARLY_BEAT_GAP_S have passed (and note a refused handshake)."""
+        started = time.monotonic()
+        deadline = started + self.interval_s
         while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
-            if sock.poll(min(left, 0.1) * 1000):
+            if self._soon.is_set() and self._beats and time.monotonic() - started >= EARLY_BEAT_GAP_S:
+                return
+            if sock.poll(min(left, EARLY_BEAT_GAP_S / 2) * 1000):
                 self._on_reply(sock)
             if watch is not None:
                 self._note_refusal(watch.refusal())

@@ -32,6 +32,7 @@ WINDOW_S = {"explicit": 2.0, "chosen": 4.0}
 16 slots that is at most 8 samples (0.16 s), with the chosen ring the worker's chosen
 batch, 64 samples of 1 KiB (1.28 s), so the window holds at least three batches of each
 worker (two would leave a share 0.6 against 0.4 on quantization alone)."""
+IDLE_S = 64 * DELAY_S + 0.3
 BOUNDS = {2: (0.35, 0.65), 4: (0.15, 0.35)}
 ROUNDS = int(os.environ.get("DISTILL_START_ORDER_ROUNDS", "1"))
 
@@ -67,6 +68,15 @@ def _shares(endpoints: dict[str, str], run_id: str, slot_count: int | None, pids
     return [counts[pid] / total for pid in pids]
 
 
+def _wait_idle(endpoints: dict[str, str]) -> None:
+    """Until every worker idles again, as in the README's order: the broker has no WORK
+    out, and a batch of DIRECT requests a departed student left (with the chosen ring,
+    64 samples: 1.28 s) is done and a heartbeat has said so."""
+    stats_when(endpoints["frontend"], lambda s: s["in_flight"] == 0 and s["queued"] == 0, 60)
+    time.sleep(IDLE_S)
+
+
+@pytest.mark.timeout(60 + 20 * ROUNDS)
 @pytest.mark.parametrize("workers", [2, 4])
 def test_workers_started_first_share_the_first_request(procs, endpoints, broker_kwargs, workers: int) -> None:
     broker = Broker(**broker_kwargs)
@@ -78,7 +88,7 @@ def test_workers_started_first_share_the_first_request(procs, endpoints, broker_
     try:
         for round_ in range(ROUNDS):
             for name, slot_count in (("explicit", 16), ("chosen", None)):
-                time.sleep(0.3)  # the previous round's slots drain: every worker idle again
+                _wait_idle(endpoints)
                 shares = _shares(endpoints, f"order-{round_}-{name}", slot_count, pids, WINDOW_S[name])
                 assert all(low <= share <= high for share in shares), (
                     f"round {round_}, {name} ring: shares {[round(s, 2) for s in shares]}, each should be in "

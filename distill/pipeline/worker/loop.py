@@ -116,6 +116,8 @@ class Worker:
         self._shared_runs: set[str] = set()
         """Runs opted in to fan-out: always through the broker, which shares their samples."""
         self._heart: Heartbeater | None = None
+        self._reported_backlog = 0
+        """The DIRECT backlog our last heartbeat told the broker (its thread writes it)."""
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], Failures, Deferred] | None = None
         self._progress = FillProgress()
@@ -225,6 +227,7 @@ class Worker:
                     self._serve_direct(sock)
                 if self._lane is not None:
                     self._lane.retry_unsent()
+                    self._tell_emptied(heart)
                 if heart.refusal is not None:  # the broker will never answer: stop with the reason
                     raise PermissionError(f"worker {self.peer_id}: {heart.refusal}")
                 if heart.forgotten.is_set() or not heart.broker_alive:
@@ -254,7 +257,21 @@ class Worker:
 
     def _beat_report(self) -> dict:
         """What every heartbeat carries: the DIRECT fills and the batches finished."""
-        return {**self._direct_report(), **self._progress.report()}
+        report = {**self._direct_report(), **self._progress.report()}
+        self._reported_backlog = report.get("backlog", 0)
+        return report
+
+    def _tell_emptied(self, heart: Heartbeater) -> None:
+        """Beat early once our DIRECT backlog is empty while our last beat said it was not.
+
+        The broker counts that backlog as load when it splits a run's slots among workers
+        (``broker/dispatch.spread``). A worker that has just finished a departed student's
+        DIRECT batch, or whose lanes went elsewhere, would otherwise be passed over for up
+        to a heartbeat interval while it idles (its slots sticking to the workers fed
+        instead). At most one such beat per ``liveness.EARLY_BEAT_GAP_S``."""
+        if self._reported_backlog and self._lane is not None and not self._lane.backlog:
+            self._reported_backlog = 0  # asked once per emptying
+            heart.beat_soon()
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         forgotten = heart.forgotten.is_set()
