@@ -523,3 +523,22 @@ def run_pacing_worker(endpoints: dict[str, str], delay_s: float, sample_bytes: i
 
     Worker(generator_fn=generate, slot_size=config.nbytes(), backend_endpoint=endpoints["backend"],
            control_pub_endpoint=endpoints["control_pub"]).run()
+
+
+def run_cfg_echo_worker(endpoints: dict[str, str], max_configs: int) -> None:
+    """The seed README's worker whose samples are their model_cfg's ``tag`` (every word),
+    keeping at most ``max_configs`` model configs (``worker/cfgs.py``): with fewer than the
+    runs it serves, every switch between them makes it ask the broker for a config again."""
+    from distill.pipeline.worker import cfgs
+
+    setup_logging("WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    cfgs.MAX_CONFIGS = max_configs
+    config = readme_config(1024)
+
+    def generate(model_id: str, model_cfg: dict | None) -> bytes:
+        assert model_cfg is not None, f"no model_cfg for {model_id}"
+        return config.encode(x=torch.full((128,), model_cfg["tag"], dtype=torch.int64))
+
+    Worker(generator_fn=generate, slot_size=config.nbytes(), backend_endpoint=endpoints["backend"],
+           control_pub_endpoint=endpoints["control_pub"]).run()

@@ -111,7 +111,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped when a peer of the previous version would refuse or misread a message
 (2: DONE.notified; a version-1 broker would refuse such a DONE and strand its work.
 3: COMPLETE.lane and the DIRECT/DECLINED datagrams; a version-2 student would drop a
@@ -132,7 +132,10 @@ refuse every such heartbeat and purge the worker as silent).
 whoever holds its secret, ``broker/control.py``); a version-7 broker would refuse every
 switch, a version-7 leader would be refused by every broker.
 9: WELCOME.model_digest, and WELCOME.model_cfg only the first time a connection is
-welcomed to a model; a version-8 student would refuse every WELCOME)."""
+welcomed to a model; a version-8 student would refuse every WELCOME).
+10: WORK.model_digest, and WORK.model_cfg only in a worker's first WORK of a model;
+DONE.unknown_cfg (a worker that no longer has the config asks for it again). A version-9
+worker would take a WORK without model_cfg for a model without one, and fill it wrong."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
@@ -231,10 +234,10 @@ SCHEMA: dict[Command, dict[str, str]] = {
     Command.READY: {"peer_id": "str", "credit": "int", "max_batch": "int", "process": "str?",
                     "direct": "dict?", "backlog": "int?"},
     Command.WORK: {"work_id": "int", "run_id": "str", "generation": "int", "model_id": "str",
-                   "model_cfg": "dict?", "items": "items", "runs": "runs?", "copies": "copies?",
-                   "shared": "bool?"},
+                   "model_cfg": "dict?", "model_digest": "str?", "items": "items", "runs": "runs?",
+                   "copies": "copies?", "shared": "bool?"},
     Command.DONE: {"peer_id": "str", "work_id": "int", "num_items": "int", "failed": "failed",
-                   "notified": "names?"},
+                   "notified": "names?", "unknown_cfg": "bool?"},
     Command.COMPLETE: {"generation": "int", "slots": "done_slots", "lane": "str?", "process": "str?"},
     Command.DISCARDED: {"generation": "int", "slots": "slots"},
     Command.QUARANTINE: {"slots": "slots", "process": "str?", "direct": "bool?"},

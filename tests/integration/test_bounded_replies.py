@@ -18,11 +18,19 @@ import time
 
 import pytest
 
-from distill.pipeline import Broker, StudentClient, protocol
+from distill.pipeline import Broker, DistillIterableDataset, StudentClient, protocol
 from distill.pipeline.protocol import Command
 from tests import peers
 from tests.conftest import SPAWN
-from tests.hostile import Peer, fetch_stats, run_flooder, samples_per_s, set_model
+from tests.hostile import (
+    Peer,
+    fetch_stats,
+    medium_name,
+    request,
+    run_flooder,
+    samples_per_s,
+    set_model,
+)
 from tests.procfs import rss_bytes
 
 log = logging.getLogger(__name__)
@@ -219,4 +227,86 @@ def test_a_reply_to_a_peer_that_reads_nothing_never_blocks_the_broker(endpoints,
         assert stats["dropped_replies"] > 0
     finally:
         deaf.close()
+        broker.stop()
+
+
+def _beat(worker: Peer) -> None:
+    worker.send(Command.HEARTBEAT, {"peer_id": "w", "role": "worker"})
+
+
+def test_model_cfg_goes_once_to_a_worker_and_again_when_it_lost_it(endpoints, broker_kwargs) -> None:
+    """A WORK carries its run's model_cfg the first time it goes to a worker, then only the
+    digest: one SET_MODEL of 60 KB is not copied to the workers once per batch. A worker
+    that no longer has the config says so (DONE.unknown_cfg, its slots "stale"): the
+    student is told to ask again, and the next WORK carries the config."""
+    broker = Broker(**broker_kwargs).start()
+    leader, student = Peer(endpoints["control"]), Peer(endpoints["frontend"], "student-a")
+    worker = Peer(endpoints["backend"], "worker-w")
+    medium = medium_name("cfg")
+    try:
+        leader.send(Command.SET_MODEL, set_model(model_cfg=BIG_CFG))
+        leader.expect(Command.MODEL_SET)
+        worker.send(Command.READY, {"peer_id": "w", "credit": 8, "max_batch": 1})
+        student.send(Command.REQUEST, request("student-a", medium, [[0, 1], [1, 1], [2, 1]]))
+        works = [worker.expect(Command.WORK, skip=(Command.HEARTBEAT,)).body for _ in range(3)]
+        digest = protocol.cfg_digest(BIG_CFG)
+        assert works[0]["model_cfg"] == BIG_CFG and works[0]["model_digest"] == digest
+        assert all("model_cfg" not in w and w["model_digest"] == digest for w in works[1:])
+        _beat(worker)
+        done = {"peer_id": "w", "num_items": 1}
+        worker.send(Command.DONE, {**done, "work_id": works[0]["work_id"], "failed": []})
+        worker.send(Command.DONE, {**done, "work_id": works[1]["work_id"], "failed": [[0, "stale"]],
+                                   "unknown_cfg": True})
+        complete = student.expect(Command.COMPLETE, skip=(Command.HEARTBEAT, Command.WELCOME)).body
+        assert [row[0] for row in complete["slots"]] == [works[0]["items"][0][1]]
+        discarded = student.expect(Command.DISCARDED, skip=(Command.HEARTBEAT,)).body
+        lost = works[1]["items"][0][1]
+        assert [row[0] for row in discarded["slots"]] == [lost]
+        student.send(Command.REQUEST, request("student-a", medium, [[lost, 2]]))
+        again = worker.expect(Command.WORK, skip=(Command.HEARTBEAT,)).body
+        assert again["model_cfg"] == BIG_CFG and again["items"][0][1] == lost
+        # A new model: its config goes once more.
+        leader.send(Command.SET_MODEL, set_model("m2", model_cfg={"layers": 3}))
+        leader.expect(Command.MODEL_SET)
+        student.send(Command.REQUEST, request("student-a", medium, [[5, 1]]))
+        assert worker.expect(Command.WORK, skip=(Command.HEARTBEAT,)).body["model_cfg"] == {"layers": 3}
+    finally:
+        for peer in (leader, student, worker):
+            peer.close()
+        broker.stop()
+
+
+def test_a_worker_that_keeps_one_config_fills_two_runs_each_with_its_own(procs, endpoints, broker_kwargs) -> None:
+    """A real worker that keeps one model config serves two runs whose configs differ, their
+    requests through the broker, interleaved: each switch between them makes it ask for a
+    config again (``worker/cfgs.py``), and every sample is its own run's (the sample is its
+    config's tag), none filled with the other's config or none."""
+
+    broker = Broker(**broker_kwargs).start()
+    procs.start(peers.run_cfg_echo_worker, endpoints, 1, name="worker")
+    config = peers.readme_config(1024)
+    common = {"batch_config": config, "frontend_endpoint": endpoints["frontend"], "slot_count": 8}
+    clients, iters = [], []
+    try:
+        for tag in (1, 2):
+            run_id = f"run{tag}"
+            client = StudentClient(student_rank=0, run_id=run_id, control_endpoint=endpoints["control"],
+                                   control_pub_endpoint=endpoints["control_pub"], **common)
+            client.hello()
+            client.set_model(f"model{tag}", model_cfg={"tag": tag, "pad": "p" * 1000})
+            clients.append(client)
+            dataset = DistillIterableDataset(student_rank=0, generation_value=client.generation_value, run_id=run_id,
+                                             direct_requests=False, **common)
+            iters.append(iter(dataset))
+        for _ in range(40):
+            for tag, samples in zip((1, 2), iters, strict=True):
+                x = next(samples)["x"]
+                assert bool((x == tag).all()), f"run{tag} got a sample of another config: {x.unique().tolist()}"
+        stats = fetch_stats(endpoints["frontend"])
+        assert stats is not None and stats["discarded"] > 0  # the worker asked for configs again
+    finally:
+        for samples in iters:
+            samples.close()
+        for client in clients:
+            client.close()
         broker.stop()

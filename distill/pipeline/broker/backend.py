@@ -107,6 +107,8 @@ class Backend:
         peer.last_done_at = peer.progress_at = now
         peer.last_model, peer.last_run = work.model_id, work.run_id
         peer.credit = min(peer.credit + (work.num_slots if work.credit is None else work.credit), peer.capacity)
+        if body.get("unknown_cfg"):  # it lost the config (its cache, or a WORK that never came)
+            peer.models.pop(work.run_id, None)  # the next WORK carries it; its slots were "stale"
         failed = {idx: reason for idx, reason in body["failed"] if 0 <= idx < work.num_slots}
         self.dispatcher.complete_parts(work, failed, frozenset(body.get("notified") or ()))
 

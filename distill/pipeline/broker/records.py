@@ -109,6 +109,9 @@ class WorkerPeer:
     count stands still past its deadline is stuck in its batch function."""
     backlog_since: float = 0.0
     """When its reported DIRECT ``backlog`` last went from none to some."""
+    models: dict[str, str] = field(default_factory=dict)
+    """Run id -> digest of the ``model_cfg`` a WORK sent this worker: WORK carries the
+    config itself once per worker and model, its digest always (``dispatch.cfg_fields``)."""
 
 
 @dataclass(slots=True, eq=False)

@@ -50,6 +50,7 @@ from distill.pipeline.notices import NoticeOutbox, RequestLane
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.throttle import LogThrottle
+from distill.pipeline.worker.cfgs import ModelConfigs
 from distill.pipeline.worker.commit import Committer
 from distill.pipeline.worker.config import BatchFn, Deferred, GeneratorFn, SlotTarget, WorkerConfig
 from distill.pipeline.worker.direct import DirectLane, Model, why_not
@@ -111,6 +112,8 @@ class Worker:
         self._committer = Committer(self.writer_id, cfg.checksum, self._sender, self.peer_id, self._segments)
         self._outbox: NoticeOutbox | None = None
         self._lane: DirectLane | None = None
+        self._cfgs = ModelConfigs()
+        """The model configs WORKs sent us, by digest (a WORK carries its model's once)."""
         self._models: dict[str, Model] = {}
         """run -> (generation, model id, model cfg) of its last plain WORK: what a DIRECT may ask for."""
         self._shared_runs: set[str] = set()
@@ -330,6 +333,9 @@ class Worker:
                 self._send(sock, Command.ERROR, {"reason": exc.reason[:protocol.MAX_STRING_CHARS]})
                 continue
             if msg.command is Command.WORK:
+                if not self._cfgs.resolve(msg.body):
+                    self._refuse_unknown_cfg(sock, msg.body)
+                    continue
                 works.append(msg)
                 slots += len(msg.body["items"])
             elif msg.command is Command.ERROR:
@@ -339,6 +345,15 @@ class Worker:
                 self._refusals.warning("worker %s: %s", self.peer_id, reason)
                 self._send(sock, Command.ERROR, {"reason": reason, "command": msg.command.name})
         return works
+
+    def _refuse_unknown_cfg(self, sock: zmq.Socket, body: dict) -> None:
+        """A WORK names a model config we do not have (``cfgs.py``): nothing is filled, the
+        broker is told to send it again, the slots go back to their students ("stale")."""
+        log.info("worker %s: WORK %d names a model config we no longer have; asking for it again",
+                 self.peer_id, body["work_id"])
+        items = len(body["items"])
+        self._send(sock, Command.DONE, {"peer_id": self.peer_id, "work_id": body["work_id"], "num_items": items,
+                                        "failed": [[idx, "stale"] for idx in range(items)], "unknown_cfg": True})
 
     # ------------------------------------------------------------------ filling
     def _process(self, works: list[Message], sock: zmq.Socket) -> None:
