@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from distill.errors import ConfigError
+from tests.integration.test_app import _tiny
 
 CLI_TIMEOUT_S = 60
 
@@ -136,7 +137,9 @@ def test_invocations_that_do_no_work_leave_no_run_directory(tmp_path: Path) -> N
         return subprocess.run([sys.executable, "-m", "distill", *args], cwd=tmp_path, capture_output=True,
                               text=True, timeout=CLI_TIMEOUT_S)
 
-    plan = bare(["mode=plan", "student.layers=[0]"])
+    # the session's small teacher (building the default one takes minutes)
+    small = [o for o in _tiny(tmp_path) if o.startswith(("teacher.", "data.seq_len="))]
+    plan = bare(["mode=plan", "student.layers=[0]", *small])
     assert plan.returncode == 0 and "total" in plan.stdout, plan.stderr
     assert not list(tmp_path.iterdir()), list(tmp_path.rglob("*"))
     error = bare(["mode=local", "data=text", f"data.path={tmp_path / 'none' / '*.txt'}"])
