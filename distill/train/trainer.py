@@ -406,10 +406,15 @@ def _json_record(record: dict) -> dict:
 
 def train_stage(trainer: StageTrainer) -> None:
     """Set up, train and record one stage; its setup and its record are timed as phases
-    of the run (``distill.train.timing``), its steps by ``train`` itself."""
-    with timed(trainer.ctx.timings, "stage_setup_s"):
-        trainer.setup()
-    trainer.train()
-    with timed(trainer.ctx.timings, "checkpoint_s"):
-        trainer.finish()
-    trainer.cleanup()
+    of the run (``distill.train.timing``), its steps by ``train`` itself. A stage that fails
+    still closes its loader first (its thread, its DataLoader workers, their slot pools):
+    left to process exit, a caller that goes on (the supervisor's error report, a test)
+    would run beside a thread still asking the broker for the stage's samples."""
+    try:
+        with timed(trainer.ctx.timings, "stage_setup_s"):
+            trainer.setup()
+        trainer.train()
+        with timed(trainer.ctx.timings, "checkpoint_s"):
+            trainer.finish()
+    finally:
+        trainer.cleanup()

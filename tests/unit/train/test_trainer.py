@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from distill.pipeline import Broker, Worker
+from distill.pipeline.mediums.shm import list_segments
 from distill.replacements.teacher_copy import TeacherCopy
 from distill.train import checkpoint as ckpt
 from distill.train.context import METRICS_FILE, StudentContext
@@ -99,6 +101,32 @@ def test_a_stage_trains_validates_checkpoints_and_records_itself(tmp_path: Path,
     assert json.loads((directory / "current" / "state.json").read_text())["step"] == 3
     for key in ("stage_setup_s", "validation_s", "checkpoint_s", "student_compute_s"):
         assert ctx.timings[key] > 0, key
+
+
+def test_a_stage_that_fails_closes_its_loader_and_slot_pool(tmp_path: Path, pipeline_for, monkeypatch) -> None:
+    """Issue 40: ``train_stage`` closes the stage's loader on the way out of a failure (its
+    thread gone, its segment unlinked) before the error reaches the caller."""
+    cfg = _cfg(tmp_path)
+    teacher = tiny_llama(VOCAB, 1)
+    pipeline_for(cfg, teacher)
+    ctx = _context(cfg, teacher, tmp_path / "run")
+    before = set(list_segments())  # the control client's own slot
+    calls = []
+
+    def failing_loss(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a step that fails")
+        return layer_loss(*args, **kwargs)
+
+    monkeypatch.setattr("distill.train.trainer.layer_loss", failing_loss)
+    try:
+        with pytest.raises(RuntimeError, match="a step that fails"):
+            train_stage(StageTrainer(ctx, ctx.stages[0]))
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("batches-stage")]
+        assert not [name for name in set(list_segments()) - before if "trainert" in name]  # (the run id's start)
+    finally:
+        ctx.client.close()
 
 
 def test_a_stage_resumes_at_its_checkpoint(tmp_path: Path, pipeline_for) -> None:
