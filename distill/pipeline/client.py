@@ -44,8 +44,8 @@ from distill.pipeline.liveness import (
     HEARTBEAT_LIVENESS,
     BrokerRefusal,
 )
-from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
-from distill.pipeline.protocol import Command, ProtocolError
+from distill.pipeline.pool import PoolConfig, SlotPool
+from distill.pipeline.protocol import DEFAULT_RUN, Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.sizing import chosen_slots
 

@@ -61,7 +61,8 @@ from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 from distill.pipeline.loans import LEND_MIN_BYTES, SlotLoans
-from distill.pipeline.pool import DEFAULT_RUN, PoolConfig, SlotPool
+from distill.pipeline.pool import PoolConfig, SlotPool
+from distill.pipeline.protocol import DEFAULT_RUN
 from distill.pipeline.settings import merge
 from distill.pipeline.sizing import check_given_slots, chosen_slots
 

@@ -57,7 +57,7 @@ from distill.pipeline.liveness import (
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
 from distill.pipeline.mediums.tcp import TcpMedium
 from distill.pipeline.notices import NoticeInbox, encode_datagram
-from distill.pipeline.protocol import Command, ProtocolError
+from distill.pipeline.protocol import DEFAULT_RUN, Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, slot_stride
 from distill.pipeline.slots import PENDING, Route, SlotRecord, SlotTable
@@ -65,7 +65,6 @@ from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RUN = "default"
 MEDIUMS = ("shm", "tcp")
 BYE_LINGER_MS = 100
 """How long closing a pool lets its BYE take to leave."""

@@ -138,6 +138,10 @@ DONE.unknown_cfg (a worker that no longer has the config asks for it again). A v
 worker would take a WORK without model_cfg for a model without one, and fill it wrong."""
 PROTOCOL_TAG = b"DST" + bytes([PROTOCOL_VERSION])
 
+DEFAULT_RUN = "default"
+"""The run of a peer that names none: the broker, students, workers and the application
+agree on it here, the contract they all import."""
+
 # Bounds on untrusted input. A message larger than this is dropped by ZeroMQ itself
 # (socket option MAXMSGSIZE) before we ever see it.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024

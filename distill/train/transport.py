@@ -25,10 +25,10 @@ from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient
 from distill.pipeline.auth import CurveConfig
 from distill.pipeline.endpoints import SOCKET_NAMES, default_endpoint, runtime_dir
 from distill.pipeline.leadership import run_secret
+from distill.pipeline.protocol import DEFAULT_RUN
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RUN_ID = "default"
 
 ADD_WORKER_SCRIPT = "add_worker.sh"
 """In a mode=local job's run directory while it runs: the command that adds one more teacher
@@ -59,7 +59,7 @@ def curve_config(cfg: DictConfig) -> CurveConfig | None:
 def run_id(cfg: DictConfig) -> str:
     """``run_id``, or else one per sweep job (so the jobs of a multirun sharing a broker
     never share a run), or else ``default``."""
-    return cfg.run_id or sweep_job_run_id() or DEFAULT_RUN_ID
+    return cfg.run_id or sweep_job_run_id() or DEFAULT_RUN
 
 
 def leader_secret(cfg: DictConfig) -> str:

@@ -25,7 +25,6 @@ the WORK and COMPLETE lists, nothing more.
 from distill.pipeline.broker.config import BrokerConfig
 from distill.pipeline.broker.runs import RunState
 from distill.pipeline.broker.service import Broker
-
-DEFAULT_RUN = "default"
+from distill.pipeline.protocol import DEFAULT_RUN
 
 __all__ = ["DEFAULT_RUN", "Broker", "BrokerConfig", "RunState"]

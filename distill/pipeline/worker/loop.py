@@ -98,7 +98,7 @@ class Worker:
         self._keys = cfg.curve.client_keys() if cfg.curve is not None else None  # checked here, not in run()
         self._generation: dict[str, int] = {}
         self._model_id: str | None = None
-        self._last_run = "default"
+        self._last_run = protocol.DEFAULT_RUN
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token = process_token()
