@@ -220,10 +220,5 @@ class ShrunkSegmentError(ValueError):
     """A mapped segment's file is smaller than the mapping: refused, never written."""
 
 
-def segment_name(medium: str) -> str:
-    """The shared-memory segment behind a medium name (a network medium's, mapped locally)."""
-    return parse_medium(medium).segment if is_tcp_medium(medium) else medium
-
-
 def segment_exists(segment: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIR, segment))
