@@ -9,7 +9,7 @@ import logging
 
 from distill.pipeline.batch import DTYPES, BatchConfig, TensorSpec
 from distill.pipeline.broker import Broker, BrokerConfig
-from distill.pipeline.client import SampleRef, StudentClient, StudentConfig
+from distill.pipeline.client import SampleRef, StudentClient, StudentClientConfig
 from distill.pipeline.dataset import DatasetConfig, DistillIterableDataset
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import BrokerRefusal
@@ -23,7 +23,7 @@ __all__ = [
     "DTYPES", "PROTOCOL_VERSION", "BatchConfig", "Broker", "BrokerConfig", "BrokerRefusal", "BrokerStats", "Command",
     "DatasetConfig",
     "DistillIterableDataset", "Medium", "MediumBase", "PoolConfig", "ProtocolError", "SampleRef",
-    "SharedMemoryManager", "ShmSpaceError", "SlotPool", "SlotTarget", "StudentClient", "StudentConfig",
+    "SharedMemoryManager", "ShmSpaceError", "SlotPool", "SlotTarget", "StudentClient", "StudentClientConfig",
     "TensorSpec", "Worker", "WorkerConfig", "default_endpoint", "setup_logging",
 ]
 

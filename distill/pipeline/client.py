@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 CATCH_UP_S = 1.0
 """A follower waiting for a generation asks the broker for it this often (wait_generation)."""
 
-__all__ = ["DEFAULT_RUN", "BrokerRefusal", "SampleRef", "SlotPool", "StudentClient", "StudentConfig"]
+__all__ = ["DEFAULT_RUN", "BrokerRefusal", "SampleRef", "SlotPool", "StudentClient", "StudentClientConfig"]
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SampleRef:
 
 
 @dataclass(frozen=True)
-class StudentConfig:
+class StudentClientConfig:
     """Every setting of a :class:`StudentClient` (the seed README's arguments first)."""
 
     student_rank: int | None = None
@@ -117,15 +117,15 @@ class StudentClient:
     """The student of the seed README: owns slots, switches models (leader), follows (others).
 
     ``StudentClient(student_rank, slot_count, batch_config, frontend_endpoint, ...)`` as in
-    the seed README, or ``StudentClient(config=StudentConfig(...))``; every setting is a
-    field of :class:`StudentConfig`, given as ``config=`` and/or as keyword arguments.
+    the seed README, or ``StudentClient(config=StudentClientConfig(...))``; every setting is a
+    field of :class:`StudentClientConfig`, given as ``config=`` and/or as keyword arguments.
     """
 
     def __init__(self, student_rank: int | None = None, slot_count: int | None = None,
                  batch_config: BatchConfig | None = None, frontend_endpoint: str | None = None,
                  control_endpoint: str | None = None, control_pub_endpoint: str | None = None, *,
-                 config: StudentConfig | None = None, **options: Any) -> None:
-        cfg = self.config = merge(StudentConfig, config, {
+                 config: StudentClientConfig | None = None, **options: Any) -> None:
+        cfg = self.config = merge(StudentClientConfig, config, {
             "student_rank": student_rank, "slot_count": slot_count, "batch_config": batch_config,
             "frontend_endpoint": frontend_endpoint, "control_endpoint": control_endpoint,
             "control_pub_endpoint": control_pub_endpoint, **options}, "StudentClient")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from distill.pipeline import Broker, PoolConfig, SlotPool, StudentClient, StudentConfig
+from distill.pipeline import Broker, PoolConfig, SlotPool, StudentClient, StudentClientConfig
 from distill.pipeline.notices import encode_notice
 from distill.pipeline.slot import read_claim
 from distill.pipeline.slots import SlotState
@@ -25,13 +25,13 @@ def _client(endpoints: dict[str, str], rank: int = 0, **kwargs: object) -> Stude
 
 
 def test_the_seed_readme_arguments_and_a_config_object_make_the_same_client(endpoints) -> None:
-    config = StudentConfig(student_rank=0, slot_count=2, batch_config=peers.batch_config(),
+    config = StudentClientConfig(student_rank=0, slot_count=2, batch_config=peers.batch_config(),
                            frontend_endpoint=endpoints["frontend"], control_endpoint=endpoints["control"],
                            control_pub_endpoint=endpoints["control_pub"], heartbeat_interval_s=0.2)
     with _client(endpoints) as readme, StudentClient(config=config) as configured:
         assert readme.config == configured.config
         assert configured.student_rank == 0 and configured._pool.config.slot_count == 2
-    with pytest.raises(TypeError, match="slot_cont.*StudentConfig"):
+    with pytest.raises(TypeError, match="slot_cont.*StudentClientConfig"):
         StudentClient(0, 2, peers.batch_config(), slot_cont=3)
     with pytest.raises(ValueError, match=r"needs batch_config \(the seed"):
         StudentClient(0)
