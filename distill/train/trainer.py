@@ -409,12 +409,17 @@ def train_stage(trainer: StageTrainer) -> None:
     of the run (``distill.train.timing``), its steps by ``train`` itself. A stage that fails
     still closes its loader first (its thread, its DataLoader workers, their slot pools):
     left to process exit, a caller that goes on (the supervisor's error report, a test)
-    would run beside a thread still asking the broker for the stage's samples."""
+    would run beside a thread still asking the broker for the stage's samples. An
+    interrupt or SIGTERM is not waited on: closing waits for the batch thread, which may be
+    waiting on a broker that is stopping too, and the supervisor kills what outlives its
+    grace period; the process's exit unlinks the pools."""
     try:
         with timed(trainer.ctx.timings, "stage_setup_s"):
             trainer.setup()
         trainer.train()
         with timed(trainer.ctx.timings, "checkpoint_s"):
             trainer.finish()
-    finally:
+    except Exception:
         trainer.cleanup()
+        raise
+    trainer.cleanup()
