@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import IO
 
 import torch
-import zmq
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -52,12 +51,11 @@ from distill.modes.process import (
     run_dir,
 )
 from distill.modes.stats import stats_command
-from distill.pipeline import protocol
-from distill.pipeline.auth import AuthError, CurveConfig, secure_client
+from distill.pipeline.auth import CurveConfig
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.leadership import run_secret
 from distill.pipeline.mediums.shm import new_run_id, sweep_orphans
-from distill.pipeline.protocol import Command
+from distill.pipeline.observe import send_stop
 from distill.results.record import add_time_split, read_result
 from distill.results.report_file import TIME_HEADING, replace_section
 from distill.train.checkpoint import checkpoint_dir, hold_checkpoint_dir
@@ -263,7 +261,8 @@ def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig |
         if child.relay is not None:
             child.relay.muted.set()  # what a stopped child says is in its log, not on the screen
     if any(c.proc.poll() is None for c in children):
-        _publish_stop(control_endpoint, curve, secret)
+        send_stop(control_endpoint, curve.client_keys() if curve is not None else None, secret)
+        # (not sent: no broker, or a refused key; the children get SIGTERM next anyway)
     for child in reversed(children):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
@@ -277,15 +276,3 @@ def _stop_all(children: list[Child], control_endpoint: str, curve: CurveConfig |
             child.proc.wait()
         if child.relay is not None:
             child.relay.join(timeout=RELAY_DRAIN_S)
-
-
-def _publish_stop(control_endpoint: str, curve: CurveConfig | None = None, secret: str | None = None) -> None:
-    try:
-        keys = curve.client_keys() if curve is not None else None
-        sock = secure_client(protocol.configure(zmq.Context.instance().socket(zmq.DEALER)), keys)
-        sock.connect(control_endpoint)
-        protocol.send(sock, Command.STOP, {} if secret is None else {"leader_secret": secret})
-        sock.poll(500)
-        sock.close(linger=0)
-    except (zmq.ZMQError, AuthError):
-        pass  # the children get SIGTERM next anyway

@@ -15,15 +15,12 @@ import shlex
 import sys
 import time
 
-import zmq
 from omegaconf import DictConfig
 
 from distill.errors import BrokerNotFound
 from distill.modes.process import configure_logging
-from distill.pipeline import protocol
-from distill.pipeline.auth import ClientKeys, secure_client
 from distill.pipeline.endpoints import runtime_dir
-from distill.pipeline.protocol import Command
+from distill.pipeline.observe import STATS_TIMEOUT_MS, fetch_stats
 from distill.train.progress import duration
 from distill.train.transport import curve_config, endpoints
 
@@ -31,24 +28,6 @@ log = logging.getLogger(__name__)
 
 STATS_COLUMNS = ("workers", "students", "queued", "in_flight", "completed", "discarded", "requeued",
                  "quarantined", "failed", "completed_per_s")
-FETCH_TIMEOUT_MS = 2000
-"""The longest one STATS round trip waits (a live broker answers in milliseconds)."""
-
-
-def fetch_stats(frontend_endpoint: str, timeout_ms: int = FETCH_TIMEOUT_MS,
-                keys: ClientKeys | None = None) -> dict | None:
-    """One STATS round trip; None when the broker does not answer."""
-    sock = secure_client(protocol.configure(zmq.Context.instance().socket(zmq.DEALER)), keys)
-    sock.connect(frontend_endpoint)
-    try:
-        protocol.send(sock, Command.STATS, {})
-        if not sock.poll(timeout_ms):
-            return None
-        return protocol.recv(sock).body["stats"]
-    finally:
-        sock.close(linger=0)
-
-
 def format_stats(stats: dict) -> str:
     return "  ".join(f"{key}={stats[key]:.1f}" if isinstance(stats[key], float) else f"{key}={stats[key]}"
                      for key in STATS_COLUMNS)
@@ -97,7 +76,7 @@ def run_stats(cfg: DictConfig) -> None:
 
 def _fetch_timeout_ms(cfg: DictConfig) -> int:
     """One round trip's wait: never past ``stats_wait_s`` (a short wait is a short wait)."""
-    return max(1, int(min(FETCH_TIMEOUT_MS, 1000 * cfg.stats_wait_s)))
+    return max(1, int(min(STATS_TIMEOUT_MS, 1000 * cfg.stats_wait_s)))
 
 
 def _no_broker(frontend: str, silent_s: float, answered: bool, elapsed_s: float) -> str:

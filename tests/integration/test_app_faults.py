@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from distill.modes.stats import fetch_stats
 from distill.pipeline.endpoints import default_endpoint, runtime_dir
 from distill.pipeline.mediums.shm import list_segments, sweep_orphans
+from distill.pipeline.observe import fetch_stats
 
 LAYERS = 2
 TEACHER = {"hidden_size": 32, "num_layers": LAYERS, "num_heads": 2, "vocab_size": 300, "train_steps": 2}
