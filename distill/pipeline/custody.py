@@ -176,9 +176,8 @@ class Custody:
         pool = self.pool
         self._lanes.pop(process, None)  # given up on: its clock starts again with our next request
         taken = 0
+        pool.slots.drop_lanes(process)
         for record in pool.slots.records:
-            if record.lane is not None and record.lane[1] == process:
-                record.lane = None
             if record.state is not PENDING or record.route is not Route.DIRECT or record.holder != process:
                 continue
             claim, fill = read_claim(pool.medium.slot_view(record.idx))

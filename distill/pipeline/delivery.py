@@ -18,7 +18,7 @@ from typing import Any
 
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim, read_header
-from distill.pipeline.slots import AWAITING, PENDING, Route, SlotRecord
+from distill.pipeline.slots import AWAITING, PENDING, SlotRecord
 from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class Delivery:
         header = read_header(view)
         if header is not None and header.writer == claim and header.request_id == record.request_id:
             return False  # it has committed: it is done with the slot
-        record.route, record.holder = Route.WRITER, claim
+        self.pool.slots.left_to_writer(record, claim)
         self.pool.unsend(record)
         return True
 
@@ -195,8 +195,7 @@ class Delivery:
                 visible = self._visible[lane[1]] = process_alive(lane[1]) is True
             if not visible:
                 lane = None
-        for record in records:
-            record.lane = lane
+        self.pool.slots.set_lanes(records, lane)
 
     # ------------------------------------------------------------------ network medium
     def receive_data(self) -> None:

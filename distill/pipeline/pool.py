@@ -249,8 +249,7 @@ class SlotPool:
     def resend(self, record: SlotRecord) -> None:
         """Send a PENDING slot's request again, same id, through the broker (its lane's
         worker will not fill it)."""
-        record.route, record.holder = Route.BROKER, None
-        record.lane = None
+        self.slots.through_broker(record)
         self.slots.to_send.append(record.idx)
 
     def flush(self) -> None:
@@ -302,12 +301,12 @@ class SlotPool:
                 "slots": [[s, records[s].request_id] for s in group]})
             if self._inbox.send_to(path, data):
                 for slot in group:
-                    records[slot].route, records[slot].holder = Route.DIRECT, process
+                    self.slots.asked_directly(records[slot], process)
                 self.counts["direct"] += len(group)
                 self.custody.lane_sent(process, now)  # its deadline (``custody.LaneClock``)
                 continue
-            for slot in group:  # gone or full: nobody will write these, the broker may
-                records[slot].lane = None
+            # gone or full: nobody will write these, the broker may
+            self.slots.set_lanes([records[slot] for slot in group], None)
             rest.extend(group)
         return rest
 
@@ -464,8 +463,7 @@ class SlotPool:
         if self._inbox is None:  # cannot: notices go through the broker from now on
             log.warning("%s: inbox vanished and could not be bound again; no direct notices", self.peer_id)
             self.direct_requests = False
-            for record in self.slots.records:
-                record.lane = None
+            self.slots.drop_lanes()
             return
         self._poller.register(self._inbox.fileno(), zmq.POLLIN)
         log.warning("%s: inbox %s vanished; bound it again", self.peer_id, self._inbox.path)

@@ -230,6 +230,31 @@ class SlotTable:
         record.holder, record.late_request = holder, late_request
 
     # ------------------------------------------------------------------ checks
+    # ------------------------------------------------------------------ routes and lanes
+    def through_broker(self, record: SlotRecord) -> None:
+        """A PENDING slot asked for again through the broker: no holder, no lane (the worker
+        whose lane it was will not fill it)."""
+        record.route, record.holder, record.lane = Route.BROKER, None, None
+
+    def asked_directly(self, record: SlotRecord, process: str) -> None:
+        """A PENDING slot asked of the worker ``process`` by DIRECT."""
+        record.route, record.holder = Route.DIRECT, process
+
+    def left_to_writer(self, record: SlotRecord, claim: int) -> None:
+        """A PENDING slot a live writer claims: it is that writer's to fill."""
+        record.route, record.holder = Route.WRITER, claim
+
+    def set_lanes(self, records: list[SlotRecord], lane: tuple[str, str] | None) -> None:
+        """Where ``records`` are asked next: the local worker that filled them (None: the broker)."""
+        for record in records:
+            record.lane = lane
+
+    def drop_lanes(self, process: str | None = None) -> None:
+        """Forget the lanes of the worker ``process`` (every lane, when None)."""
+        for record in self.records:
+            if record.lane is not None and (process is None or record.lane[1] == process):
+                record.lane = None
+
     def check(self) -> list[str]:
         """Every broken invariant between records and queues (empty when all hold)."""
         problems = []
@@ -243,6 +268,10 @@ class SlotTable:
                 problems.append(f"slot {idx} is PENDING by {record.route.name} without a holder")
             if record.state is QUARANTINED and record.holder is None and not record.late_request:
                 problems.append(f"slot {idx} is QUARANTINED without a holder")
+            if record.state is PENDING and not _holder_fits(record):
+                problems.append(f"slot {idx} is PENDING by {record.route.name} held by {record.holder!r}")
+            if record.lane is not None and not (len(record.lane) == 2 and all(isinstance(p, str) for p in record.lane)):
+                problems.append(f"slot {idx} has a lane that is not (path, process): {record.lane!r}")
         free = list(self.free)
         if len(set(free)) != len(free) or set(free) != {r.idx for r in records if r.state is FREE}:
             problems.append(f"free queue {sorted(free)} != FREE slots")
@@ -261,3 +290,13 @@ class SlotTable:
         if {req for req, _ in self.reissue} & set(live):
             problems.append("a request to re-issue is still held by a slot")
         return problems
+
+
+def _holder_fits(record: SlotRecord) -> bool:
+    """A PENDING slot's holder is what its route says: none (broker), a worker's process
+    token (DIRECT), a writer id (WRITER)."""
+    if record.route is Route.BROKER:
+        return record.holder is None
+    if record.route is Route.DIRECT:
+        return isinstance(record.holder, str)
+    return isinstance(record.holder, int)
