@@ -105,8 +105,14 @@ def test_a_worker_that_hangs_serving_direct_requests_is_given_up_on(procs, endpo
     assert healthy.samples_written >= 60
     messages = [record.getMessage() for record in caplog.records]
     if broker_deadline == "derived":
-        assert stats.workers == 1 and stats.quarantined == 0, stats  # it held no broker WORK
-        assert any("has finished no batch" in m and "direct slot(s)" in m for m in messages), messages
+        # Given up on by the broker's derived deadline: for its DIRECT slots, or for a broker
+        # WORK it may hold too (a slot the student asked again through the broker while the
+        # lane was silent can reach it: before any deadline a hung worker is only a loaded
+        # one), whichever fires first (about half the runs each here). The stall alone is
+        # tested on the broker's records in tests/unit/pipeline/test_deadline.py.
+        assert stats.workers == 1 and stats.quarantined <= 2, stats
+        assert any(("has finished no batch" in m and "direct slot(s)" in m) or "as if it were silent" in m
+                   for m in messages), messages
     else:
         assert stats.overdue == 0, stats
         assert counts["hung_lanes"] == 1, counts
