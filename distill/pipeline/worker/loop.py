@@ -67,6 +67,9 @@ from distill.pipeline.worker.segments import Segments
 
 log = logging.getLogger(__name__)
 
+IDLE_BEAT_S = 0.1
+"""A worker whose DIRECT backlog has stayed empty this long beats at once (``_tell_emptied``)."""
+
 
 class Worker:
     """Fills student slots on request (see module docstring).
@@ -121,6 +124,8 @@ class Worker:
         self._heart: Heartbeater | None = None
         self._reported_backlog = 0
         """The DIRECT backlog our last heartbeat told the broker (its thread writes it)."""
+        self._empty_since: float | None = None
+        """Since when our DIRECT backlog is empty while our last beat said it was not."""
         self._refusals = LogThrottle(log)
         self._deferred: tuple[list[Message], Failures, Deferred] | None = None
         self._progress = FillProgress()
@@ -221,7 +226,7 @@ class Worker:
             while not self._stop.is_set():
                 queued = self._lane is not None and self._lane.queued
                 busy = self._lane is not None and self._lane.busy
-                events = dict(poller.poll(0 if queued else 10 if busy else idle_ms))
+                events = dict(poller.poll(0 if queued else 10 if busy else self._idle_wait_ms(idle_ms)))
                 if sub in events and self._on_published(sub):
                     return
                 if sock in events:
@@ -265,16 +270,33 @@ class Worker:
         return report
 
     def _tell_emptied(self, heart: Heartbeater) -> None:
-        """Beat early once our DIRECT backlog is empty while our last beat said it was not.
+        """Beat early once our DIRECT backlog has stayed empty for ``IDLE_BEAT_S`` while our
+        last beat said it was not.
 
         The broker counts that backlog as load when it splits a run's slots among workers
         (``broker/dispatch.spread``). A worker that has just finished a departed student's
         DIRECT batch, or whose lanes went elsewhere, would otherwise be passed over for up
         to a heartbeat interval while it idles (its slots sticking to the workers fed
-        instead). At most one such beat per ``liveness.EARLY_BEAT_GAP_S``."""
-        if self._reported_backlog and self._lane is not None and not self._lane.backlog:
+        instead). Not at the instant it empties: a worker in steady work empties after
+        every batch and gets its slots back a round trip later, and beats taken at those
+        instants would tell the broker that every worker is always idle, a slow one
+        included (which then got more than its share of the slots)."""
+        if self._lane is None or self._lane.backlog or not self._reported_backlog:
+            self._empty_since = None
+            return
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+        elif now - self._empty_since >= IDLE_BEAT_S:
             self._reported_backlog = 0  # asked once per emptying
+            self._empty_since = None
             heart.beat_soon()
+
+    def _idle_wait_ms(self, idle_ms: float) -> float:
+        """How long the loop may wait for a message: until an early beat is due, at most."""
+        if self._empty_since is None:
+            return idle_ms
+        return max(1.0, min(idle_ms, (self._empty_since + IDLE_BEAT_S - time.monotonic()) * 1000))
 
     def _rejoin(self, sock: zmq.Socket, heart: Heartbeater) -> None:
         forgotten = heart.forgotten.is_set()

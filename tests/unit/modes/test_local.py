@@ -23,6 +23,7 @@ from distill.config import CONF_DIR, register_configs
 from distill.errors import ChildFailed
 from distill.modes import local
 from distill.pipeline import protocol
+from distill.pipeline.observe import send_stop
 from distill.pipeline.protocol import Command
 from distill.train.transport import control_client
 from tests import peers
@@ -221,9 +222,9 @@ def test_the_supervisor_stops_the_workers_of_a_led_run_with_the_jobs_secret(proc
         assert restarted.set_model("m2") == generation + 1  # not refused as a stranger
     finally:
         restarted.close()
-    local._publish_stop(endpoints["control"])  # no secret: refused, the worker serves on
+    send_stop(endpoints["control"])  # no secret: refused, the worker serves on
     worker.join(2)
     assert worker.is_alive()
-    local._publish_stop(endpoints["control"], secret=secret)
+    send_stop(endpoints["control"], leader_secret=secret)
     worker.join(30)
     assert worker.exitcode == 0
