@@ -43,7 +43,7 @@ from typing import Any
 from distill.pipeline import protocol
 from distill.pipeline.broker.config import MAX_WORK_ITEMS
 from distill.pipeline.broker.records import SlotRequests, Work, WorkerPeer, medium_label
-from distill.pipeline.broker.runs import RunState
+from distill.pipeline.broker.runs import RunState, cfg_fields, note_cfg_sent
 from distill.pipeline.broker.state import BrokerState
 from distill.pipeline.protocol import Command
 from distill.pipeline.throttle import LogThrottle
@@ -127,7 +127,7 @@ class Dispatcher:
                     model_id=run.model_id, sent_at=time.monotonic())
         body = {
             "work_id": work.work_id, "run_id": run.run_id, "generation": run.generation,
-            "model_id": run.model_id, **cfg_fields(worker, run),
+            "model_id": run.model_id, **cfg_fields(worker.models, run),
             "items": [[r.medium, slot_idx, r.stride, request_id]
                       for r in requests for slot_idx, request_id in r.slots],
         }
@@ -135,7 +135,7 @@ class Dispatcher:
             body["shared"] = True
         frames = self._encode(run, requests, body)
         self._commit(worker, work, num_slots, num_slots)
-        self._cfg_sent(worker, run)
+        note_cfg_sent(worker.models, run, state.config.max_runs)  # (a worker that lost it says so: DONE.unknown_cfg)
         protocol.send_frames(state.send.backend, frames, identity=worker.identity)
 
     def _send_shared_work(self, worker: WorkerPeer, runs: list[RunState], samples: int) -> None:
@@ -163,7 +163,7 @@ class Dispatcher:
         try:
             frames = protocol.encode(Command.WORK, {
                 "work_id": work.work_id, "run_id": work.run_id, "generation": work.generation,
-                "model_id": first.model_id, **cfg_fields(worker, first), "items": items,
+                "model_id": first.model_id, **cfg_fields(worker.models, first), "items": items,
                 "runs": groups, "copies": copies,
             })
         except BaseException:
@@ -171,7 +171,7 @@ class Dispatcher:
                 state.runs.requeue_front(run, part.requests)
             raise
         self._commit(worker, work, len(items), len(source_of))
-        self._cfg_sent(worker, first)
+        note_cfg_sent(worker.models, first, state.config.max_runs)
         protocol.send_frames(state.send.backend, frames, identity=worker.identity)
 
     def _encode(self, run: RunState, requests: list[SlotRequests], body: dict[str, Any]) -> list[bytes]:
@@ -181,16 +181,6 @@ class Dispatcher:
         except BaseException:
             self.state.runs.requeue_front(run, requests)
             raise
-
-    def _cfg_sent(self, worker: WorkerPeer, run: RunState) -> None:
-        """Note that ``worker`` has ``run``'s model_cfg (the oldest runs' entries go first
-        past ``max_runs``; a worker that lost a config says so, ``forget_cfg``)."""
-        if run.model_cfg is None or worker.models.get(run.run_id) == run.cfg_digest:
-            return
-        worker.models.pop(run.run_id, None)
-        worker.models[run.run_id] = run.cfg_digest
-        if len(worker.models) > self.state.config.max_runs:
-            del worker.models[next(iter(worker.models))]
 
     def _commit(self, worker: WorkerPeer, work: Work, num_items: int, credit: int) -> None:
         state = self.state
@@ -255,17 +245,6 @@ class Dispatcher:
             run.completed += num_rows
             run.discarded += num_discarded
         self.state.completed_rate.add(num_rows)
-
-
-def cfg_fields(worker: WorkerPeer, run: RunState) -> dict[str, Any]:
-    """A WORK's model config: its digest, and the config itself unless this worker was
-    sent it already. A model_cfg may weigh up to ``protocol.MAX_CFG_BYTES``; sent with
-    every WORK, one SET_MODEL would be copied to the workers once per batch."""
-    if run.model_cfg is None:
-        return {}
-    if worker.models.get(run.run_id) == run.cfg_digest:
-        return {"model_digest": run.cfg_digest}
-    return {"model_digest": run.cfg_digest, "model_cfg": run.model_cfg}
 
 
 def spread(workers: Collection[WorkerPeer], run: RunState) -> tuple[WorkerPeer, int] | None:

@@ -23,6 +23,7 @@ from distill.pipeline.broker.records import (
     check_key,
     medium_label,
 )
+from distill.pipeline.broker.runs import cfg_fields, note_cfg_sent
 from distill.pipeline.broker.state import BrokerState
 from distill.pipeline.liveness import beat_identity
 from distill.pipeline.protocol import Command, ProtocolError
@@ -58,13 +59,8 @@ class Frontend:
         connection = self._touch(identity, key, body["peer_id"], run.run_id, "HELLO").connection
         welcome = {"run_id": run.run_id, "generation": run.generation, "model_id": run.model_id,
                    "heartbeat_interval_ms": int(state.config.heartbeat_interval_s * 1000)}
-        if run.model_cfg is not None:  # once per connection and model: a HELLO buys no large answer
-            welcome["model_digest"] = run.cfg_digest
-            if connection.models.get(run.run_id) != run.cfg_digest:
-                welcome["model_cfg"] = run.model_cfg
-                connection.models[run.run_id] = run.cfg_digest
-                if len(connection.models) > state.config.max_runs:  # forgotten runs' entries go first
-                    del connection.models[next(iter(connection.models))]
+        welcome.update(cfg_fields(connection.models, run))  # once per connection and model:
+        note_cfg_sent(connection.models, run, state.config.max_runs)  # a HELLO buys no large answer
         state.send.to_student(identity, Command.WELCOME, welcome)
 
     def on_request(self, identity: bytes, key: str | None, body: dict) -> None:

@@ -111,7 +111,7 @@ class WorkerPeer:
     """When its reported DIRECT ``backlog`` last went from none to some."""
     models: dict[str, str] = field(default_factory=dict)
     """Run id -> digest of the ``model_cfg`` a WORK sent this worker: WORK carries the
-    config itself once per worker and model, its digest always (``dispatch.cfg_fields``)."""
+    config itself once per worker and model, its digest always (``runs.cfg_fields``)."""
 
 
 @dataclass(slots=True, eq=False)

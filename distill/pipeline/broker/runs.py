@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from distill.pipeline import protocol
 from distill.pipeline.broker.config import BrokerConfig
@@ -73,6 +74,29 @@ class RunState:
     def same_model(self, other: RunState) -> bool:
         """Whether ``other`` asks for exactly this run's model (both depth-bounded by the protocol)."""
         return other.model_id == self.model_id and other.model_cfg == self.model_cfg
+
+
+def cfg_fields(sent: dict[str, str], run: RunState) -> dict[str, Any]:
+    """What a WELCOME or WORK says of ``run``'s model_cfg to a peer that was sent the
+    configs in ``sent`` (run id -> digest): the digest always, the config itself only if
+    this peer does not have it yet. A model_cfg may weigh up to ``protocol.MAX_CFG_BYTES``;
+    sent with every HELLO's answer or every WORK, one SET_MODEL would be copied over and over."""
+    if run.model_cfg is None:
+        return {}
+    if sent.get(run.run_id) == run.cfg_digest:
+        return {"model_digest": run.cfg_digest}
+    return {"model_digest": run.cfg_digest, "model_cfg": run.model_cfg}
+
+
+def note_cfg_sent(sent: dict[str, str], run: RunState, max_runs: int) -> None:
+    """Note in ``sent`` that the peer now has ``run``'s model_cfg (the oldest runs' entries
+    go first past ``max_runs``)."""
+    if run.model_cfg is None or sent.get(run.run_id) == run.cfg_digest:
+        return
+    sent.pop(run.run_id, None)
+    sent[run.run_id] = run.cfg_digest
+    if len(sent) > max_runs:
+        del sent[next(iter(sent))]
 
 
 class RunTable:
