@@ -318,11 +318,7 @@ class Worker:
             except ProtocolError:
                 continue
             if msg.command is Command.WORK:
-                items = len(msg.body["items"])
-                self._send(sock, Command.DONE, {
-                    "peer_id": self.peer_id, "work_id": msg.body["work_id"], "num_items": items,
-                    "failed": [[idx, "stale"] for idx in range(items)],
-                })
+                self._done_unwritten(sock, msg.body)
 
     def _on_published(self, sub: zmq.Socket) -> bool:
         """Apply a MODEL or STOP broadcast; True when the worker must stop."""
@@ -373,9 +369,13 @@ class Worker:
         broker is told to send it again, the slots go back to their students ("stale")."""
         log.info("worker %s: WORK %d names a model config we no longer have; asking for it again",
                  self.peer_id, body["work_id"])
+        self._done_unwritten(sock, body, unknown_cfg=True)
+
+    def _done_unwritten(self, sock: zmq.Socket, body: dict, **extra: bool) -> None:
+        """DONE for a WORK of which nothing was written: every slot "stale" (asked again)."""
         items = len(body["items"])
         self._send(sock, Command.DONE, {"peer_id": self.peer_id, "work_id": body["work_id"], "num_items": items,
-                                        "failed": [[idx, "stale"] for idx in range(items)], "unknown_cfg": True})
+                                        "failed": [[idx, "stale"] for idx in range(items)], **extra})
 
     # ------------------------------------------------------------------ filling
     def _process(self, works: list[Message], sock: zmq.Socket) -> None:
