@@ -27,8 +27,8 @@ def _client(endpoints: dict[str, str], slot_count: int = 8, **kwargs: object) ->
     return client
 
 
-def _worker(endpoints: dict[str, str], batch_fn=peers.fill_targets, **kwargs: object) -> Worker:
-    return Worker(batch_fn=batch_fn, batch_config=peers.batch_config(), max_batch=4,
+def _worker(endpoints: dict[str, str], batch_fn=peers.fill_targets, max_batch: int = 4, **kwargs: object) -> Worker:
+    return Worker(batch_fn=batch_fn, batch_config=peers.batch_config(), max_batch=max_batch,
                   backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
                   heartbeat_interval_s=0.2, **kwargs).start()
 
@@ -88,12 +88,14 @@ def test_direct_requests_turned_off_go_through_the_broker(procs, endpoints, brok
 def test_a_stopping_worker_declines_what_it_holds_and_the_broker_gets_it(endpoints, broker_kwargs) -> None:
     """Two workers in this process (so their process stays alive: only the decline can
     free the slots the stopped one was asked for); a 4-slot student must keep going."""
+    delay_s = [0.05]
+
     def slow(model_id: str, model_cfg: dict | None, targets: list) -> None:
-        time.sleep(0.05)  # DIRECTs queue up at this worker while it fills
+        time.sleep(delay_s[0])  # DIRECTs queue up at this worker while it fills, one slot at a time
         peers.fill_targets(model_id, model_cfg, targets)
 
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
-    first = _worker(endpoints, batch_fn=slow)
+    first = _worker(endpoints, batch_fn=slow, max_batch=1)
     second = None
     try:
         with _client(endpoints, slot_count=4) as client:
@@ -105,6 +107,7 @@ def test_a_stopping_worker_declines_what_it_holds_and_the_broker_gets_it(endpoin
                 _take(client, generation, seen, 4)
             assert client._pool.counts["direct"] > 0
             second = _worker(endpoints)
+            delay_s[0] = 0.3  # from now on a DIRECT waits behind the one being filled, not beside it
             _take(client, generation, seen, 1)  # the slots are given back: DIRECTs queue at the slow one
             first.stop()
             assert not lane_path(first.peer_id).exists()
