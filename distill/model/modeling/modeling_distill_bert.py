@@ -43,6 +43,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     BaseModelOutputWithPoolingAndCrossAttentions,
@@ -719,7 +720,11 @@ def run_teacher_layer(
 
 
 class DistillBertTeacherLayer(nn.Module):
-    """Kinds copy, pruned and lowrank: a layer of the teacher's class, run as the teacher runs it."""
+    """Kinds copy, pruned and lowrank: a layer of the teacher's class, run as the teacher runs it.
+
+    Activation checkpointing reaches it through that layer, a ``GradientCheckpointingLayer``
+    of the teacher's class (wrapping it again would checkpoint it twice).
+    """
 
     def __init__(self, config: DistillBertConfig, layer_idx: int) -> None:
         super().__init__()
@@ -738,7 +743,7 @@ class DistillBertTeacherLayer(nn.Module):
         return run_teacher_layer(self.layer, hidden_BTD, attention_mask)
 
 
-class DistillBertResidualMLP(nn.Module):
+class DistillBertResidualMLP(GradientCheckpointingLayer):
     """Kind mlp: ``x + W2 act(W1 norm(x))``, token by token."""
 
     def __init__(self, config: DistillBertConfig, layer_idx: int) -> None:
@@ -768,7 +773,7 @@ LINEAR_BLOCKS: dict[str, type[LinearAttentionBlock]] = {
 """Kind -> the block of a :class:`DistillBertLinearAttentionLayer`."""
 
 
-class DistillBertLinearAttentionLayer(nn.Module):
+class DistillBertLinearAttentionLayer(GradientCheckpointingLayer):
     """Kinds linear_attention, sliding_window_linear, gated_linear_attention: the kind's block of ``LINEAR_BLOCKS``."""
 
     def __init__(self, config: DistillBertConfig, layer_idx: int) -> None:
@@ -814,7 +819,7 @@ class DistillBertPreTrainedModel(PreTrainedModel):
     config_class = DistillBertConfig
     config: DistillBertConfig
     base_model_prefix = "bert"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DistillBertTeacherLayer", "DistillBertResidualMLP", "DistillBertLinearAttentionLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -886,8 +891,8 @@ class DistillBertModel(DistillBertPreTrainedModel):
         for idx, layer in enumerate(self.encoder.layer):
             if output_hidden_states:
                 all_hidden.append(hidden_BTD)
-            if str(idx) in self.config.distill_layers:
-                hidden_BTD = layer(hidden_BTD, attention_mask, position_ids)
+            if str(idx) in self.config.distill_layers:  # hidden states positional: what activation checkpointing replays
+                hidden_BTD = layer(hidden_BTD, attention_mask=attention_mask, position_ids=position_ids)
             else:
                 hidden_BTD = layer(hidden_BTD, attention_mask=teacher_mask)
                 hidden_BTD = hidden_BTD[0] if isinstance(hidden_BTD, tuple) else hidden_BTD

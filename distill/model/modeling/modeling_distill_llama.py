@@ -36,6 +36,14 @@ token-wise layers keep only the count. Sliding-window + linear attention uses tr
 ``config.sliding_window - 1`` positions (transformers sizes it from that key) plus the linear
 state of every position older than the window.
 
+Assisted (speculative) decoding crops the cache back past rejected draft tokens. While a cache
+records its past (``cache.activate_past_recording``, which ``generate`` calls), each recurrent
+layer runs its last ``recurrent_states_to_keep`` new positions one at a time and keeps the state
+before each, and ``crop`` puts the state of the last accepted position back
+(``RecurrentCacheLayer``, ``HybridSlidingCacheLayer``: transformers' cache layers with that crop).
+Replaced layers are ``GradientCheckpointingLayer``s, so ``activation_checkpointing_enable()``
+and ``Trainer(gradient_checkpointing=True)`` checkpoint them as they do the teacher's.
+
 Each sequence-mixing kind has two forms on one set of weights: chunked (training and prefill:
 exact masked attention inside a chunk plus the running state of earlier chunks) and
 recurrent (decoding: one state update and one read-out per token); tests hold them equal.
@@ -58,16 +66,27 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import logging
 
 from .configuration_distill_llama import HYBRID_LAYER_TYPE, RECURRENT_LAYER_TYPE, DistillLlamaConfig
 
 if "cache" not in BaseModelOutputWithPast.__dataclass_fields__:  # its `past_key_values` before transformers 5.24
     raise ImportError("this distilled student's modeling code needs transformers>=5.24 (its `cache` API): "
                       "pip install -U 'transformers>=5.24,<6'")
+
+logger = logging.get_logger(__name__)
 
 DENOMINATOR_EPS = 1e-6
 FEATURE_MAPS = ("hedgehog", "elu")
@@ -104,9 +123,15 @@ def recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
 
 
 def store_state(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, num_new_tokens: int) -> None:
-    """Keep ``state`` (None: a token-wise layer, nothing to keep) after ``num_new_tokens`` more positions."""
+    """Keep ``state`` (None: a token-wise layer, nothing to keep) after ``num_new_tokens`` more positions.
+
+    A cache recording its past (assisted decoding) first keeps the state being replaced, so
+    that ``crop`` can put it back.
+    """
     if cache is None:
         return
+    if getattr(cache.layers[layer_idx], "record_past", False):
+        remember_state(cache.layers[layer_idx])
     if state is not None:
         cache.update_recurrent_state(state, layer_idx)
     layer = cache.layers[layer_idx]
@@ -114,6 +139,110 @@ def store_state(cache: Cache | None, layer_idx: int, state: torch.Tensor | None,
     counter = getattr(layer, "cumulative_length_linear", None)
     if isinstance(counter, torch.Tensor) and counter.dim() == 0:  # what cache.get_seq_length() reads (transformers >= 5.2x)
         counter.add_(num_new_tokens)
+
+
+ROLLBACK_MARKS = "rollback_marks"
+"""Attribute of a recurrent cache layer recording its past: ``{positions seen: the state then}``,
+one entry per call since the last ``crop`` (None where the layer had no state yet)."""
+
+
+def steps_to_record(cache: Cache | None, layer_idx: int, seq_len: int) -> int:
+    """How many of ``seq_len`` new positions a recurrent layer runs one at a time, keeping the
+    state before each: the last ``recurrent_states_to_keep`` of them while the cache records
+    its past (a rejected draft is cropped back to any of them), else none."""
+    if cache is None or seq_len < 2 or not getattr(cache.layers[layer_idx], "record_past", False):
+        return 0
+    return min(seq_len, getattr(cache.layers[layer_idx], "recurrent_states_to_keep", None) or 0)
+
+
+def remember_state(layer: Any) -> None:
+    """Keep the state ``layer`` holds now under the count of positions it has seen (the oldest
+    mark goes once there are more than ``recurrent_states_to_keep`` + 1)."""
+    seen = getattr(layer, SEEN_TOKENS, 0)
+    state = layer.recurrent_states[0] if seen and layer.is_recurrent_states_initialized[0] else None
+    marks = layer.__dict__.setdefault(ROLLBACK_MARKS, {})
+    marks[seen] = None if state is None else state.clone()
+    while len(marks) > (getattr(layer, "recurrent_states_to_keep", None) or 0) + 1:
+        del marks[next(iter(marks))]
+
+
+def roll_back(layer: Any, tokens_to_remove: int) -> None:
+    """Forget the last ``-tokens_to_remove`` positions of a recurrent layer, from its marks.
+
+    A token-wise layer (no state) only counts positions, so any count goes back; a stateful
+    one goes back to a mark or refuses: a state restored from anywhere else would be wrong.
+    """
+    if not getattr(layer, "record_past", False):
+        raise RuntimeError("`crop` was called, but this recurrent layer does not record its past: "
+                           "call `cache.activate_past_recording(recurrent_states_to_keep=...)` first")
+    if tokens_to_remove > 0:
+        raise RuntimeError("recurrent layers are cropped by a negative count: the positions to remove")
+    marks = layer.__dict__.pop(ROLLBACK_MARKS, {})
+    if not tokens_to_remove:
+        return
+    seen = getattr(layer, SEEN_TOKENS, 0) + tokens_to_remove
+    if seen < 0:
+        raise RuntimeError(f"cannot remove {-tokens_to_remove} positions from a layer that has seen {seen - tokens_to_remove}")
+    if layer.is_recurrent_states_initialized[0]:
+        if seen not in marks:
+            raise RuntimeError(
+                f"cannot roll this recurrent layer back {-tokens_to_remove} positions: it kept its state after "
+                f"positions {sorted(marks)} only; record more with "
+                "cache.activate_past_recording(recurrent_states_to_keep=...)"
+            )
+        if marks[seen] is not None:
+            layer.recurrent_states[0].copy_(marks[seen])
+    setattr(layer, SEEN_TOKENS, seen)
+    layer.cumulative_length_linear.sub_(-tokens_to_remove)
+
+
+class RecurrentCacheLayer(LinearAttentionLayer):
+    """transformers' ``LinearAttentionLayer`` (cache type ``linear_attention``) that can be cropped.
+
+    transformers' own crop restores a conv state and a per-call history that these layers do
+    not keep; this one goes back to a state :func:`remember_state` kept. A model adopts the
+    layers of its cache (:func:`adopt_cache`): ``DynamicCache(config=...)`` builds them by type name.
+    """
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        """The state, copied in place (its marks, not a history of every call, are what crop needs)."""
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.recurrent_states[state_idx].copy_(recurrent_states)
+        return self.recurrent_states[state_idx]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        roll_back(self, tokens_to_remove)
+
+
+class HybridSlidingCacheLayer(LinearAttentionAndSlidingWindowAttentionLayer):
+    """transformers' ``hybrid_sliding`` layer (a KV ring plus a linear state) that can be cropped:
+    the ring as transformers crops it, the state as :class:`RecurrentCacheLayer` does."""
+
+    update_recurrent_state = RecurrentCacheLayer.update_recurrent_state
+
+    def crop(self, tokens_to_remove: int) -> None:
+        roll_back(self, tokens_to_remove)
+        DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
+
+
+CROPPABLE_LAYERS: dict[type, type] = {
+    LinearAttentionLayer: RecurrentCacheLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer: HybridSlidingCacheLayer,
+}
+
+
+def adopt_cache(cache: Cache) -> None:
+    """Give the recurrent layers of ``cache`` our crop (assisted decoding rolls a rejected draft back).
+
+    ``DynamicCache(config=model.config)`` (generate's, or the user's) builds transformers' classes
+    from ``config.layer_types``; ours only add methods, so each layer takes our class in place,
+    whatever it holds already.
+    """
+    for layer in cache.layers:
+        croppable = CROPPABLE_LAYERS.get(type(layer))
+        if croppable is not None:
+            layer.__class__ = croppable
 
 
 def window_ring(cache: Cache | None, layer_idx: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -966,7 +1095,10 @@ class DistillLlamaTeacherLayer(nn.Module):
     """Kinds copy, pruned and lowrank: a layer of the teacher's class, run as the teacher runs it.
 
     ``pruned`` builds it from the config with the layer's ``config_overrides`` (fewer MLP units,
-    fewer KV heads); ``lowrank`` factorises the linear maps named in ``ranks``.
+    fewer KV heads); ``lowrank`` factorises the linear maps named in ``ranks``. Activation
+    checkpointing reaches it through that layer, a ``GradientCheckpointingLayer`` of the
+    teacher's class: wrapping it again would checkpoint it twice and miscount
+    ``every_n_layers``.
     """
 
     def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
@@ -989,7 +1121,7 @@ class DistillLlamaTeacherLayer(nn.Module):
         return run_teacher_layer(self.layer, self.rotary_emb, self.layer_type, hidden_BTD, attention_mask, position_ids, cache)
 
 
-class DistillLlamaResidualMLP(nn.Module):
+class DistillLlamaResidualMLP(GradientCheckpointingLayer):
     """Kind mlp: ``x + W2 act(W1 norm(x))``, token by token (its cache layer only counts positions)."""
 
     def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
@@ -1021,7 +1153,7 @@ LINEAR_BLOCKS: dict[str, type[LinearAttentionBlock]] = {
 """Kind -> the block of a :class:`DistillLlamaLinearAttentionLayer`."""
 
 
-class DistillLlamaLinearAttentionLayer(nn.Module):
+class DistillLlamaLinearAttentionLayer(GradientCheckpointingLayer):
     """Kinds linear_attention, sliding_window_linear, gated_linear_attention: the kind's block of ``LINEAR_BLOCKS``.
 
     State in the layer's cache layer: a ``LinearAttentionLayer`` (linear and gated linear
@@ -1032,6 +1164,7 @@ class DistillLlamaLinearAttentionLayer(nn.Module):
     def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.block = LINEAR_BLOCKS[config.distill_layers[str(layer_idx)]["kind"]](config, layer_idx)
+        self.layer_idx = layer_idx
 
     def forward(
         self,
@@ -1040,7 +1173,19 @@ class DistillLlamaLinearAttentionLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        return self.block(hidden_BTD, attention_mask, position_ids, cache)
+        """The block over all positions at once; while the cache records its past, its last
+        positions one at a time (:func:`steps_to_record`), so each leaves a state to go back to."""
+        seq_len = hidden_BTD.shape[1]
+        steps = steps_to_record(cache, self.layer_idx, seq_len)
+        if not steps:
+            return self.block(hidden_BTD, attention_mask, position_ids, cache)
+        cuts = ([0] if steps < seq_len else []) + list(range(seq_len - steps, seq_len + 1))
+        pieces = []
+        for start, end in zip(cuts[:-1], cuts[1:], strict=True):
+            mask = None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - (seq_len - end)]
+            positions = None if position_ids is None else position_ids[:, start:end]
+            pieces.append(self.block(hidden_BTD[:, start:end], mask, positions, cache))
+        return torch.cat(pieces, dim=1)
 
 
 REPLACED_LAYERS: dict[str, type[nn.Module]] = {
@@ -1071,7 +1216,7 @@ class DistillLlamaPreTrainedModel(PreTrainedModel):
     config_class = DistillLlamaConfig
     config: DistillLlamaConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DistillLlamaTeacherLayer", "DistillLlamaResidualMLP", "DistillLlamaLinearAttentionLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -1120,6 +1265,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
                            if "rotary" in config.teacher_classes else None)
         self.embed_positions = (nn.Embedding(config.distill_learned_positions, config.hidden_size)
                                 if config.distill_learned_positions else None)
+        self.gradient_checkpointing = False  # set by activation_checkpointing_enable(), as on the layers
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -1144,6 +1290,10 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         cache = kwargs.pop("past_key_values", cache)
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # a checkpointed layer runs twice (forward, then again in backward): a cache would take its state twice
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.")
+            use_cache = False
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         if use_cache and cache is None:
@@ -1161,8 +1311,8 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden_BTD)
-            if str(idx) in self.config.distill_layers:
-                hidden_BTD = layer(hidden_BTD, attention_mask, position_ids, cache)
+            if str(idx) in self.config.distill_layers:  # hidden states positional: what activation checkpointing replays
+                hidden_BTD = layer(hidden_BTD, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
                 continue
             rotary = position_embeddings[self.config.teacher_layer_types[idx]]
             hidden_BTD = layer(
@@ -1221,7 +1371,8 @@ def _build_layer(config: DistillLlamaConfig, layer_idx: int) -> nn.Module:
 
 
 def _check_cache(cache: Cache | None, config: DistillLlamaConfig) -> None:
-    """A cache this model can use: one built from its config (``DynamicCache(config=model.config)``)."""
+    """A cache this model can use: one built from its config (``DynamicCache(config=model.config)``),
+    its recurrent layers then adopted (:func:`adopt_cache`)."""
     if cache is None:
         return
     layers = getattr(cache, "layers", None)
@@ -1235,6 +1386,7 @@ def _check_cache(cache: Cache | None, config: DistillLlamaConfig) -> None:
             "this student keeps recurrent state for its replaced layers: pass "
             "cache=DynamicCache(config=model.config) (or none: the model makes one)."
         )
+    adopt_cache(cache)
 
 
 class DistillLlamaForCausalLM(DistillLlamaPreTrainedModel, GenerationMixin):
