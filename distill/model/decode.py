@@ -87,7 +87,7 @@ def grow_cache(cache: DynamicCache, context: int, gen: torch.Generator) -> None:
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = context
         if hasattr(layer, "recurrent_states"):  # a linear-attention layer: its position count
-            layer.seen_tokens = context
+            layer.cumulative_length_linear.fill_(context)
 
 
 def cache_bytes(cache: DynamicCache) -> int:

@@ -61,7 +61,7 @@ FEATURE_MAPS = ("hedgehog", "elu")
 
 def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     # Copied from modeling_distill_llama.new_token_mask
-    """The padding mask of the T new positions as float ``mask_BT``, or None when nothing is padded.
+    """The padding mask of the T new positions as float ``mask_BT``, or None without a mask.
 
     ``attention_mask`` is the 2D mask over past + new positions (or over the new ones only).
     """
@@ -72,8 +72,7 @@ def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.T
             "replaced layers need the 2D padding mask (batch, positions) that tokenizers return, "
             f"not a {attention_mask.ndim}D mask; pass attention_mask=tokens.attention_mask."
         )
-    mask_BT = attention_mask[:, -seq_len:]
-    return None if bool(mask_BT.all()) else mask_BT.float()
+    return attention_mask[:, -seq_len:].float()  # all ones weighs like no mask; checking would sync and break graphs
 
 
 # ---------------------------------------------------------------------- kernels
@@ -219,9 +218,11 @@ def gated_linear_numden(
 
     The state is ``S_t = g_t S_{t-1} + phi_k_t v1_t^T`` (``state_BHFX`` before the first
     position, or zeros). Inside a chunk the decays ``exp(L_t - L_s)`` (``L`` the chunk's own
-    cumulative sum of ``log g``) are at most 1, so nothing overflows; a loop over the chunks
-    carries the state, decayed by each chunk's total. Padding positions must have zero
-    ``phi_k`` and ``log g``: they then add nothing and decay nothing.
+    cumulative sum of ``log g``) are at most 1, so nothing overflows. The state entering chunk
+    n sums every earlier chunk's keys decayed by the chunks between (an N x N matrix of decays,
+    each at most 1): no loop over chunks, so traced graphs (torch.export, ONNX) hold for any
+    length, not only the example's. Padding positions must have zero ``phi_k`` and ``log g``:
+    they then add nothing and decay nothing.
     """
     seq_len = phi_q_BHTF.shape[2]
     chunk = min(chunk_size, seq_len)
@@ -235,14 +236,18 @@ def gated_linear_numden(
     inside_BHNCX = ((q_BHNCF @ k_BHNCF.transpose(-1, -2)) * decay_BHNCC) @ v1_BHNCX
     to_end_BHNC = (cum_BHNC[..., -1:] - cum_BHNC).exp()
     kv_BHNFX = (k_BHNCF * to_end_BHNC[..., None]).transpose(-1, -2) @ v1_BHNCX
-    across_BHN = cum_BHNC[..., -1].exp()
-    state_BHFX = kv_BHNFX.new_zeros(kv_BHNFX[:, :, 0].shape) if state_BHFX is None else state_BHFX.float()
-    prefixes = []
-    for n in range(kv_BHNFX.shape[2]):
-        prefixes.append(state_BHFX)
-        state_BHFX = state_BHFX * across_BHN[:, :, n, None, None] + kv_BHNFX[:, :, n]
-    before_BHNCX = (q_BHNCF * cum_BHNC.exp()[..., None]) @ torch.stack(prefixes, dim=2)
-    return (inside_BHNCX + before_BHNCX).flatten(2, 3)[:, :, :seq_len], state_BHFX
+    through_BHN = cum_BHNC[..., -1].cumsum(dim=-1)  # log decay from the start through chunk n
+    entering_BHN = through_BHN - cum_BHNC[..., -1]  # ... up to chunk n, excluded (no slice: any length traces)
+    num_chunks = through_BHN.shape[-1]
+    earlier_NN = torch.ones(num_chunks, num_chunks, dtype=torch.bool, device=q_BHNCF.device).tril(-1)
+    decay_BHNN = (entering_BHN[..., :, None] - through_BHN[..., None, :]).masked_fill(~earlier_NN, -torch.inf).exp()
+    prefix_BHNFX = torch.einsum("bhnm,bhmfx->bhnfx", decay_BHNN, kv_BHNFX)
+    final_BHFX = torch.einsum("bhm,bhmfx->bhfx", (through_BHN[..., -1, None] - through_BHN).exp(), kv_BHNFX)
+    if state_BHFX is not None:
+        prefix_BHNFX = prefix_BHNFX + entering_BHN.exp()[..., None, None] * state_BHFX.float().unsqueeze(2)
+        final_BHFX = final_BHFX + through_BHN[..., -1].exp()[..., None, None] * state_BHFX.float()
+    before_BHNCX = (q_BHNCF * cum_BHNC.exp()[..., None]) @ prefix_BHNFX
+    return (inside_BHNCX + before_BHNCX).flatten(2, 3)[:, :, :seq_len], final_BHFX
 
 
 def gated_linear_attention_step(

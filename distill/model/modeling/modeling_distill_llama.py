@@ -73,6 +73,8 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionLayer,
+    StaticCache,
+    StaticLayer,
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -90,34 +92,43 @@ logger = logging.get_logger(__name__)
 
 DENOMINATOR_EPS = 1e-6
 FEATURE_MAPS = ("hedgehog", "elu")
-SEEN_TOKENS = "seen_tokens"
-"""Attribute of a ``LinearAttentionLayer`` counting the positions it has absorbed: rotary positions
-and, for a student without KV layers, ``past_length`` come from it (transformers' layer has no
-sequence length; fla's ``FLACache`` keeps ``_seen_tokens`` for the same reason)."""
+SEEN_TOKENS = "cumulative_length_linear"
+"""The 0-dim tensor of a ``LinearAttentionLayer`` counting the positions it has absorbed: rotary
+positions and, for a student without KV layers, ``past_length`` come from it. transformers adds
+to it only for the conv states it is given (these layers keep none), so :func:`store_state` adds
+to it. A tensor updated in place, not a Python int, so a compiled decode step neither breaks its
+graph nor recompiles for every new position."""
 
 
 # ---------------------------------------------------------------------- cache
 
 
-def past_length(cache: Cache | None, layer_idx: int) -> int:
-    """Positions layer ``layer_idx`` has already seen (0 without a cache)."""
+def past_length(cache: Cache | None, layer_idx: int) -> int | torch.Tensor:
+    """Positions layer ``layer_idx`` has already seen: 0 without a cache, a recurrent layer's
+    counter (:data:`SEEN_TOKENS`, a tensor), a KV layer's length."""
     if cache is None or layer_idx >= len(cache.layers):
         return 0
     layer = cache.layers[layer_idx]
     seen = getattr(layer, SEEN_TOKENS, None)
-    if seen is not None:  # ours first: transformers' linear layers count only the conv states they are given
+    if isinstance(seen, torch.Tensor):  # ours first: a hybrid layer's KV part counts only its ring
         return seen
     if isinstance(layer, CacheLayerMixin):
-        return int(layer.get_seq_length())
+        return layer.get_seq_length()
     return 0
 
 
+def positions_seen(layer: Any) -> int:
+    """A recurrent cache layer's count of positions, as a Python int (outside compiled code)."""
+    return int(getattr(layer, SEEN_TOKENS))
+
+
 def recurrent_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
-    """The state layer ``layer_idx`` left in the cache, or None before its first call."""
+    """The state layer ``layer_idx`` left in the cache, or None before its first call (a state
+    reset or rolled back to no position is zeros, which every kind reads as no state)."""
     if cache is None:
         return None
     layer = cache.layers[layer_idx]
-    if not getattr(layer, SEEN_TOKENS, 0) or not layer.is_recurrent_states_initialized[0]:
+    if not layer.is_recurrent_states_initialized[0]:
         return None
     return layer.recurrent_states[0]
 
@@ -134,11 +145,7 @@ def store_state(cache: Cache | None, layer_idx: int, state: torch.Tensor | None,
         remember_state(cache.layers[layer_idx])
     if state is not None:
         cache.update_recurrent_state(state, layer_idx)
-    layer = cache.layers[layer_idx]
-    setattr(layer, SEEN_TOKENS, getattr(layer, SEEN_TOKENS, 0) + num_new_tokens)
-    counter = getattr(layer, "cumulative_length_linear", None)
-    if isinstance(counter, torch.Tensor) and counter.dim() == 0:  # what cache.get_seq_length() reads (transformers >= 5.2x)
-        counter.add_(num_new_tokens)
+    getattr(cache.layers[layer_idx], SEEN_TOKENS).add_(num_new_tokens)
 
 
 ROLLBACK_MARKS = "rollback_marks"
@@ -158,7 +165,7 @@ def steps_to_record(cache: Cache | None, layer_idx: int, seq_len: int) -> int:
 def remember_state(layer: Any) -> None:
     """Keep the state ``layer`` holds now under the count of positions it has seen (the oldest
     mark goes once there are more than ``recurrent_states_to_keep`` + 1)."""
-    seen = getattr(layer, SEEN_TOKENS, 0)
+    seen = positions_seen(layer)
     state = layer.recurrent_states[0] if seen and layer.is_recurrent_states_initialized[0] else None
     marks = layer.__dict__.setdefault(ROLLBACK_MARKS, {})
     marks[seen] = None if state is None else state.clone()
@@ -180,10 +187,10 @@ def roll_back(layer: Any, tokens_to_remove: int) -> None:
     marks = layer.__dict__.pop(ROLLBACK_MARKS, {})
     if not tokens_to_remove:
         return
-    seen = getattr(layer, SEEN_TOKENS, 0) + tokens_to_remove
+    seen = positions_seen(layer) + tokens_to_remove
     if seen < 0:
         raise RuntimeError(f"cannot remove {-tokens_to_remove} positions from a layer that has seen {seen - tokens_to_remove}")
-    if layer.is_recurrent_states_initialized[0]:
+    if layer.is_recurrent_states_initialized[0] and seen:
         if seen not in marks:
             raise RuntimeError(
                 f"cannot roll this recurrent layer back {-tokens_to_remove} positions: it kept its state after "
@@ -192,8 +199,9 @@ def roll_back(layer: Any, tokens_to_remove: int) -> None:
             )
         if marks[seen] is not None:
             layer.recurrent_states[0].copy_(marks[seen])
-    setattr(layer, SEEN_TOKENS, seen)
-    layer.cumulative_length_linear.sub_(-tokens_to_remove)
+    elif layer.is_recurrent_states_initialized[0]:  # back to no position: no state
+        layer.recurrent_states[0].zero_()
+    getattr(layer, SEEN_TOKENS).sub_(-tokens_to_remove)
 
 
 class RecurrentCacheLayer(LinearAttentionLayer):
@@ -236,12 +244,12 @@ def adopt_cache(cache: Cache) -> None:
     """Give the recurrent layers of ``cache`` our crop (assisted decoding rolls a rejected draft back).
 
     ``DynamicCache(config=model.config)`` (generate's, or the user's) builds transformers' classes
-    from ``config.layer_types``; ours only add methods, so each layer takes our class in place,
-    whatever it holds already.
+    from ``config.layer_types``; ours only add methods, so each layer that records its past takes
+    our class in place, whatever it holds already (a layer that does not record is never cropped).
     """
     for layer in cache.layers:
         croppable = CROPPABLE_LAYERS.get(type(layer))
-        if croppable is not None:
+        if croppable is not None and layer.record_past:  # only then: a compiled forward never reaches this
             layer.__class__ = croppable
 
 
@@ -256,16 +264,17 @@ def window_ring(cache: Cache | None, layer_idx: int, length: int) -> tuple[torch
 
 
 def default_positions(
-    position_ids: torch.Tensor | None, past: int, seq_len: int, device: torch.device
+    position_ids: torch.Tensor | None, cache: Cache | None, layer_idx: int, seq_len: int, device: torch.device
 ) -> torch.Tensor:
-    """``position_ids`` as given, else ``past .. past + T - 1`` (an unpadded continuation)."""
+    """``position_ids`` as given, else ``past .. past + T - 1`` (an unpadded continuation) after
+    the positions layer ``layer_idx`` has seen (a tensor sum: no Python int leaves the device)."""
     if position_ids is not None:
         return position_ids
-    return torch.arange(past, past + seq_len, device=device).unsqueeze(0)
+    return (torch.arange(seq_len, device=device) + past_length(cache, layer_idx)).unsqueeze(0)
 
 
 def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
-    """The padding mask of the T new positions as float ``mask_BT``, or None when nothing is padded.
+    """The padding mask of the T new positions as float ``mask_BT``, or None without a mask.
 
     ``attention_mask`` is the 2D mask over past + new positions (or over the new ones only).
     """
@@ -276,8 +285,7 @@ def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.T
             "replaced layers need the 2D padding mask (batch, positions) that tokenizers return, "
             f"not a {attention_mask.ndim}D mask; pass attention_mask=tokens.attention_mask."
         )
-    mask_BT = attention_mask[:, -seq_len:]
-    return None if bool(mask_BT.all()) else mask_BT.float()
+    return attention_mask[:, -seq_len:].float()  # all ones weighs like no mask; checking would sync and break graphs
 
 
 def key_mask(attention_mask: torch.Tensor | None, num_keys: int) -> torch.Tensor | None:
@@ -447,9 +455,11 @@ def gated_linear_numden(
 
     The state is ``S_t = g_t S_{t-1} + phi_k_t v1_t^T`` (``state_BHFX`` before the first
     position, or zeros). Inside a chunk the decays ``exp(L_t - L_s)`` (``L`` the chunk's own
-    cumulative sum of ``log g``) are at most 1, so nothing overflows; a loop over the chunks
-    carries the state, decayed by each chunk's total. Padding positions must have zero
-    ``phi_k`` and ``log g``: they then add nothing and decay nothing.
+    cumulative sum of ``log g``) are at most 1, so nothing overflows. The state entering chunk
+    n sums every earlier chunk's keys decayed by the chunks between (an N x N matrix of decays,
+    each at most 1): no loop over chunks, so traced graphs (torch.export, ONNX) hold for any
+    length, not only the example's. Padding positions must have zero ``phi_k`` and ``log g``:
+    they then add nothing and decay nothing.
     """
     seq_len = phi_q_BHTF.shape[2]
     chunk = min(chunk_size, seq_len)
@@ -463,14 +473,18 @@ def gated_linear_numden(
     inside_BHNCX = ((q_BHNCF @ k_BHNCF.transpose(-1, -2)) * decay_BHNCC) @ v1_BHNCX
     to_end_BHNC = (cum_BHNC[..., -1:] - cum_BHNC).exp()
     kv_BHNFX = (k_BHNCF * to_end_BHNC[..., None]).transpose(-1, -2) @ v1_BHNCX
-    across_BHN = cum_BHNC[..., -1].exp()
-    state_BHFX = kv_BHNFX.new_zeros(kv_BHNFX[:, :, 0].shape) if state_BHFX is None else state_BHFX.float()
-    prefixes = []
-    for n in range(kv_BHNFX.shape[2]):
-        prefixes.append(state_BHFX)
-        state_BHFX = state_BHFX * across_BHN[:, :, n, None, None] + kv_BHNFX[:, :, n]
-    before_BHNCX = (q_BHNCF * cum_BHNC.exp()[..., None]) @ torch.stack(prefixes, dim=2)
-    return (inside_BHNCX + before_BHNCX).flatten(2, 3)[:, :, :seq_len], state_BHFX
+    through_BHN = cum_BHNC[..., -1].cumsum(dim=-1)  # log decay from the start through chunk n
+    entering_BHN = through_BHN - cum_BHNC[..., -1]  # ... up to chunk n, excluded (no slice: any length traces)
+    num_chunks = through_BHN.shape[-1]
+    earlier_NN = torch.ones(num_chunks, num_chunks, dtype=torch.bool, device=q_BHNCF.device).tril(-1)
+    decay_BHNN = (entering_BHN[..., :, None] - through_BHN[..., None, :]).masked_fill(~earlier_NN, -torch.inf).exp()
+    prefix_BHNFX = torch.einsum("bhnm,bhmfx->bhnfx", decay_BHNN, kv_BHNFX)
+    final_BHFX = torch.einsum("bhm,bhmfx->bhfx", (through_BHN[..., -1, None] - through_BHN).exp(), kv_BHNFX)
+    if state_BHFX is not None:
+        prefix_BHNFX = prefix_BHNFX + entering_BHN.exp()[..., None, None] * state_BHFX.float().unsqueeze(2)
+        final_BHFX = final_BHFX + through_BHN[..., -1].exp()[..., None, None] * state_BHFX.float()
+    before_BHNCX = (q_BHNCF * cum_BHNC.exp()[..., None]) @ prefix_BHNFX
+    return (inside_BHNCX + before_BHNCX).flatten(2, 3)[:, :, :seq_len], final_BHFX
 
 
 def gated_linear_attention_step(
@@ -889,9 +903,7 @@ class LinearAttentionBlock(nn.Module):
     ) -> torch.Tensor:
         """Pre-norm attention residual, then pre-norm MLP residual, as in the teacher."""
         seq_len = hidden_BTD.shape[1]
-        position_ids = default_positions(
-            position_ids, past_length(cache, self.layer_idx), seq_len, hidden_BTD.device
-        )
+        position_ids = default_positions(position_ids, cache, self.layer_idx, seq_len, hidden_BTD.device)
         normed_BTD = self.input_layernorm(hidden_BTD)
         q_BHTE = self.q_norm(split_heads(self.q_proj(normed_BTD), self.head_dim))
         k_BKTE = self.k_norm(split_heads(self.k_proj(normed_BTD), self.head_dim))
@@ -1069,7 +1081,7 @@ def run_teacher_layer(
     """
     attention = attention_of(layer)
     config, layer_idx = attention.config, attention.layer_idx
-    position_ids = default_positions(position_ids, past_length(cache, layer_idx), hidden_BTD.shape[1], hidden_BTD.device)
+    position_ids = default_positions(position_ids, cache, layer_idx, hidden_BTD.shape[1], hidden_BTD.device)
     mask_fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
     mask = mask_fn(
         config=config,
@@ -1300,8 +1312,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             cache = DynamicCache(config=self.config)
         _check_cache(cache, self.config)
         if position_ids is None:
-            past = past_length(cache, 0)
-            position_ids = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+            position_ids = default_positions(None, cache, 0, inputs_embeds.shape[1], inputs_embeds.device)
         if self.embed_positions is not None:
             inputs_embeds = inputs_embeds + self.embed_positions(position_ids)
         masks = self._teacher_masks(inputs_embeds, attention_mask, cache, position_ids)
@@ -1372,9 +1383,18 @@ def _build_layer(config: DistillLlamaConfig, layer_idx: int) -> nn.Module:
 
 def _check_cache(cache: Cache | None, config: DistillLlamaConfig) -> None:
     """A cache this model can use: one built from its config (``DynamicCache(config=model.config)``),
-    its recurrent layers then adopted (:func:`adopt_cache`)."""
+    its recurrent layers then adopted (:func:`adopt_cache`). A static cache is refused: its KV
+    buffers are preallocated (a window's ring would read empty places) and ``generate`` then gives
+    4D masks, where these layers read the 2D padding mask."""
     if cache is None:
         return
+    if isinstance(cache, StaticCache) or any(isinstance(layer, StaticLayer) for layer in getattr(cache, "layers", ())):
+        raise ValueError(
+            "this student does not take a static cache (cache_implementation='static' or StaticCache): its "
+            "replaced layers read the 2D padding mask, and recurrent ones keep a fixed-size state of their own. Use "
+            "the default dynamic cache (no cache_implementation, or cache=DynamicCache(config=model.config)); "
+            "to compile decoding, torch.compile the model (its forward has no graph breaks with that cache)."
+        )
     layers = getattr(cache, "layers", None)
     ok = layers is not None and len(layers) == config.num_hidden_layers and all(
         hasattr(layers[idx], "update_recurrent_state")
