@@ -14,8 +14,9 @@ the layer's normed input (one ``D x H`` map); ``W`` starts at zero and ``b`` at
 teacher-initialised linear attention of ``replacement=linear_attention`` and training makes
 the decay depend on the input. Feature maps, projections, rotary, norms and MLP as there.
 
-Decoders train a chunked form (decays inside a chunk from its own cumulative log-gates, a
-loop carrying the state across chunks: nothing overflows) and decode recurrently, the state
+Decoders train a chunked form (decays inside a chunk from its own cumulative log-gates, the
+state entering each chunk from every earlier chunk's keys through a matrix of decays, each at
+most 1: nothing overflows, and no loop, so traced graphs hold for any length) and decode recurrently, the state
 in the cache's ``linear_attention`` layer, fixed in size. Encoders: keys on both sides, each
 decayed by the gates between it and the query (two causal passes, one over the reversed
 sequence). Plain PyTorch; no kernel library is needed (nor used).
