@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-LINEAR_KINDS = ("linear_attention", "sliding_window_linear", "gated_linear_attention")
+LINEAR_KINDS = ("linear_attention", "sliding_window_linear", "gated_linear_attention", "gated_delta_rule")
 """Replacement kinds that rebuild the teacher layer around a new attention (`LinearAttentionBlock`)."""
 
 
@@ -66,6 +66,9 @@ def _linear_refused(feature: str) -> dict[str, str]:
 
 
 _DECODER = {"modeling": "llama", "layers_path": "layers"}
+_CAUSAL_ONLY = {"gated_delta_rule": "attention in both directions, which the delta rule's state (written "
+                                    "position after position) cannot give; gated_linear_attention decays by "
+                                    "distance both ways"}
 _ENCODER = {"modeling": "bert", "layers_path": "encoder.layer", "final_norm": None}
 
 FAMILIES: dict[str, Family] = {
@@ -120,8 +123,8 @@ FAMILIES: dict[str, Family] = {
             refused_options={"pruned.num_key_value_heads": "q/k norms over all heads together, which "
                                                             "pruning KV heads would have to cut too"},
         ),
-        Family("bert", **_ENCODER),
-        Family("roberta", **_ENCODER),
+        Family("bert", **_ENCODER, refused_kinds=_CAUSAL_ONLY),
+        Family("roberta", **_ENCODER, refused_kinds=_CAUSAL_ONLY),
     )
 }
 """Every supported family by ``model_type``. Each entry is held by tests/unit/model/test_family.py:
@@ -186,6 +189,7 @@ KIND_OF_TARGET: dict[str, str] = {
     "distill.replacements.linear_attention.LinearAttentionLayer": "linear_attention",
     "distill.replacements.sliding_window_linear.SlidingWindowLinearLayer": "sliding_window_linear",
     "distill.replacements.gated_linear_attention.GatedLinearAttentionLayer": "gated_linear_attention",
+    "distill.replacements.gated_delta_rule.GatedDeltaRuleLayer": "gated_delta_rule",
     "distill.replacements.mlp.ResidualMLP": "mlp",
     "distill.replacements.pruned.PrunedLayer": "pruned",
     "distill.replacements.lowrank.LowRankLayer": "lowrank",

@@ -15,6 +15,8 @@ The options, one module each:
   ``window`` positions plus linear attention over older ones, one normaliser (LoLCATs).
 - ``gated_linear_attention.GatedLinearAttentionLayer``: linear attention whose state decays by
   a per-head gate computed from the layer input.
+- ``gated_delta_rule.GatedDeltaRuleLayer``: the gated delta rule, a key -> value state each
+  position corrects (decoders).
 - ``pruned.PrunedLayer``: the teacher layer with a narrower MLP and/or fewer KV heads.
 - ``lowrank.LowRankLayer``: the teacher layer with truncated-SVD factorised linear maps.
 

@@ -77,16 +77,18 @@ class AttentionSwapLayer(nn.Module):
 
     kind = "linear_attention"
 
-    def __init__(self, teacher: Teacher, layer_idx: int, feature_map: str, feature_dim: int | None,
+    def __init__(self, teacher: Teacher, layer_idx: int, feature_map: str | None, feature_dim: int | None,
                  chunk_size: int, options: dict[str, Any]) -> None:
+        """``feature_map`` None: a kind without feature maps (``gated_delta_rule``)."""
         super().__init__()
         families.check_kind(teacher.adapter, self.kind)
         _check_options(self.kind, teacher.family, feature_map, feature_dim, chunk_size)
         layer = copy_teacher_layer(teacher, layer_idx)
         _check_structure(self.kind, teacher.family, layer)
         self.layer_idx = layer_idx
-        self.spec = {"kind": self.kind, "feature_map": feature_map,
-                     "feature_dim": feature_dim or _head_dim(teacher.family, layer), "chunk_size": chunk_size, **options}
+        features = {} if feature_map is None else {
+            "feature_map": feature_map, "feature_dim": feature_dim or _head_dim(teacher.family, layer)}
+        self.spec = {"kind": self.kind, **features, "chunk_size": chunk_size, **options}
         config = student_config(teacher, {layer_idx: self.spec}, for_export=False)
         block_cls = _BLOCKS[teacher.family][self.kind]
         if teacher.family == "bert":
@@ -138,14 +140,14 @@ class LinearAttentionLayer(AttentionSwapLayer):
         super().__init__(teacher, layer_idx, feature_map, feature_dim, chunk_size, {})
 
 
-def _check_options(kind: str, family: str, feature_map: str, feature_dim: int | None, chunk_size: int) -> None:
+def _check_options(kind: str, family: str, feature_map: str | None, feature_dim: int | None, chunk_size: int) -> None:
     """Reject options (or a teacher) this replacement cannot serve, naming the key."""
     if family not in _BLOCKS:
         raise ValueError(
             f"replacement={kind} supports teacher families {sorted(_BLOCKS)}, not "
             f"{family!r}; use replacement=lowrank or replacement=mlp for this teacher."
         )
-    if feature_map not in FEATURE_MAPS:
+    if feature_map is not None and feature_map not in FEATURE_MAPS:
         raise ValueError(f"replacement.feature_map={feature_map!r} must be one of {FEATURE_MAPS}.")
     if feature_dim is not None and feature_dim < 1:
         raise ValueError(

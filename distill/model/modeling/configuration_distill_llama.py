@@ -49,6 +49,7 @@ LAYER_KINDS: dict[str, tuple[str, ...]] = {
     "linear_attention": ("feature_map", "feature_dim", "chunk_size"),
     "sliding_window_linear": ("feature_map", "feature_dim", "chunk_size", "window"),
     "gated_linear_attention": ("feature_map", "feature_dim", "chunk_size"),
+    "gated_delta_rule": ("chunk_size", "gate_init", "beta_init"),
 }
 """Kind of a replaced layer -> the keys its entry in ``distill_layers`` must carry."""
 

@@ -19,6 +19,8 @@ layers replaced, one class per kind of ``config.distill_layers[i]["kind"]``:
                             positions and linear attention over older ones (one normaliser)
     gated_linear_attention  the same, with linear attention whose state decays by a gate
                             computed from the layer input
+    gated_delta_rule        the same, with the gated delta rule: a key -> value state that each
+                            position corrects by a fraction of what it held under that key
 
 Every replaced layer takes ``(hidden_states, attention_mask, position_ids, cache)``, where
 ``attention_mask`` is the 2D padding mask over past + new positions (1 = token, 0 = padding),
@@ -531,6 +533,98 @@ def bidirectional_gated_numden(
     return forward_BHTX + backward_BHTX.flip(2)
 
 
+def unit_keys(x_BHTE: torch.Tensor) -> torch.Tensor:
+    """float32 heads scaled to length 1: the delta rule's keys and queries (its state then never grows)."""
+    return F.normalize(x_BHTE.float(), dim=-1, eps=DENOMINATOR_EPS)
+
+
+def gated_delta_step(
+    q_BH1E: torch.Tensor, k_BH1E: torch.Tensor, v_BH1E: torch.Tensor, beta_BH1: torch.Tensor,
+    log_a_BH1: torch.Tensor, state_BHEE: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrent form for one position: ``S = a (S - b k (k^T S)) + b k v^T``, then ``out = S^T q``.
+
+    ``S`` maps keys (rows) to values (columns); ``a`` decays it and ``b`` is how far the value
+    stored under ``k`` moves to ``v`` (``b = 1``: replaced). Queries and keys of length 1.
+    """
+    q_BH1E, k_BH1E = unit_keys(q_BH1E), unit_keys(k_BH1E)
+    beta_BH11, decay_BH11 = beta_BH1.float()[..., None], log_a_BH1.float().exp()[..., None]
+    if state_BHEE is None:
+        state_BHEE = k_BH1E.new_zeros(*k_BH1E.shape[:2], k_BH1E.shape[-1], v_BH1E.shape[-1])
+    state_BHEE = decay_BH11 * state_BHEE.float()
+    recalled_BH1E = k_BH1E @ state_BHEE  # what the state holds under k now
+    state_BHEE = state_BHEE + k_BH1E.transpose(-1, -2) @ (beta_BH11 * (v_BH1E.float() - recalled_BH1E))
+    return q_BH1E @ state_BHEE, state_BHEE
+
+
+def recurrent_gated_delta(
+    q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, beta_BHT: torch.Tensor,
+    log_a_BHT: torch.Tensor, state_BHEE: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form over T positions, one step at a time (the reference for the chunked form)."""
+    outs = []
+    for t in range(q_BHTE.shape[2]):
+        step = slice(t, t + 1)
+        out_BH1E, state_BHEE = gated_delta_step(q_BHTE[:, :, step], k_BHTE[:, :, step], v_BHTE[:, :, step],
+                                                beta_BHT[:, :, step], log_a_BHT[:, :, step], state_BHEE)
+        outs.append(out_BH1E)
+    return torch.cat(outs, dim=2), state_BHEE
+
+
+def chunked_gated_delta(
+    q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, beta_BHT: torch.Tensor,
+    log_a_BHT: torch.Tensor, chunk_size: int, state_BHEE: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form of :func:`gated_delta_step` over T positions: float32 ``out_BHTE`` and the state after.
+
+    Inside a chunk the state after position t is ``g_t S_0 + sum_{s<=t} (g_t / g_s) k_s w_s^T``
+    (``g`` the decay since the chunk began, ``S_0`` the state entering it), where the
+    corrections ``w_s = b_s (v_s - (what the state held under k_s))`` solve one unit lower
+    triangular system per chunk, ``(I + A) W = b V - b g K S_0`` with ``A[t, s] = b_t (g_t / g_s)
+    k_t . k_s`` (s < t): exact, with matrix products instead of T steps. Every decay ratio is
+    at most 1. A loop carries the state across chunks (each chunk's system reads the state
+    entering it). Padding positions must have ``b = 0`` and ``log a = 0``: they then change nothing.
+    """
+    if torch.compiler.is_exporting():
+        raise NotImplementedError(
+            "replacement kind gated_delta_rule cannot be exported for inputs of any length (torch.export, "
+            "torch.onnx.export): its state crosses chunks through a loop, which a traced graph would fix at the "
+            "example's length. Export a student of another kind (linear_attention, gated_linear_attention, "
+            "sliding_window_linear)."
+        )
+    seq_len, head_dim = q_BHTE.shape[2], k_BHTE.shape[-1]
+    chunk = min(chunk_size, seq_len)
+    pad = -seq_len % chunk
+    q_BHNCE, k_BHNCE, v_BHNCE = (
+        F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk))
+        for x in (unit_keys(q_BHTE), unit_keys(k_BHTE), v_BHTE.float())
+    )
+    beta_BHNC = F.pad(beta_BHT.float(), (0, pad)).unflatten(2, (-1, chunk))
+    cum_BHNC = F.pad(log_a_BHT.float(), (0, pad)).unflatten(2, (-1, chunk)).cumsum(dim=-1)
+    causal_CC = torch.ones(chunk, chunk, dtype=torch.bool, device=q_BHNCE.device).tril()
+    ratio_BHNCC = (cum_BHNC[..., :, None] - cum_BHNC[..., None, :]).masked_fill(~causal_CC, -torch.inf).exp()
+    eye_CC = torch.eye(chunk, device=q_BHNCE.device)
+    lower_BHNCC = eye_CC + (beta_BHNC[..., None] * ratio_BHNCC * (k_BHNCE @ k_BHNCE.transpose(-1, -2))).tril(-1)
+    bv_BHNCE = beta_BHNC[..., None] * v_BHNCE
+    bgk_BHNCE = (beta_BHNC * cum_BHNC.exp())[..., None] * k_BHNCE
+    solved_BHNCX = torch.linalg.solve_triangular(lower_BHNCC, torch.cat([bv_BHNCE, bgk_BHNCE], dim=-1),
+                                                 upper=False, unitriangular=True)
+    u_BHNCE, wk_BHNCE = solved_BHNCX[..., :v_BHNCE.shape[-1]], solved_BHNCX[..., v_BHNCE.shape[-1]:]
+    scores_BHNCC = (q_BHNCE @ k_BHNCE.transpose(-1, -2)) * ratio_BHNCC
+    to_end_BHNC = (cum_BHNC[..., -1:] - cum_BHNC).exp()
+    if state_BHEE is None:
+        state_BHEE = q_BHNCE.new_zeros(*q_BHNCE.shape[:2], head_dim, v_BHNCE.shape[-1])
+    state_BHEE = state_BHEE.float()
+    outs = []
+    for n in range(q_BHNCE.shape[2]):
+        w_BHCE = u_BHNCE[:, :, n] - wk_BHNCE[:, :, n] @ state_BHEE
+        decay_BHC1 = cum_BHNC[:, :, n, :, None].exp()
+        outs.append((q_BHNCE[:, :, n] * decay_BHC1) @ state_BHEE + scores_BHNCC[:, :, n] @ w_BHCE)
+        state_BHEE = (cum_BHNC[:, :, n, -1, None, None].exp() * state_BHEE
+                      + (k_BHNCE[:, :, n] * to_end_BHNC[:, :, n, :, None]).transpose(-1, -2) @ w_BHCE)
+    return torch.stack(outs, dim=2).flatten(2, 3)[:, :, :seq_len], state_BHEE
+
+
 # ---------------------------------------------------------------------- linear attention
 
 
@@ -832,6 +926,75 @@ class GatedLinearAttention(LinearAttention):
         return maps + 2 * self.num_heads * passes * macs
 
 
+class GatedDeltaRule(nn.Module):
+    """The gated delta rule (Yang et al. 2025, Gated DeltaNet): a state of key -> value
+    associations that each position corrects rather than adds to.
+
+    ``S_t = a_t (S_{t-1} - b_t k_t (k_t^T S_{t-1})) + b_t k_t v_t^T``, ``out_t = S_t^T q_t``, with
+    queries and keys scaled to length 1: writing ``v`` under ``k`` replaces a fraction ``b_t`` of
+    what was stored there, so old associations are overwritten instead of piling up (what keeps
+    recall of a long context in linearisation studies), and ``a_t`` decays the whole state.
+    ``a_t = sigmoid(x_t W_a + c_a)`` and ``b_t = sigmoid(x_t W_b + c_b)`` per head from the layer's
+    normed input; the maps start at zero and the biases at ``logit(gate_init)`` and
+    ``logit(beta_init)``, so every head starts with one decay and one write strength. No
+    feature map and no normaliser: queries and keys are the teacher's (after rotary), values its
+    values. Causal only.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        chunk_size: int,
+        gate_init: float,
+        beta_init: float,
+        **factory: Any,
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_heads, **factory)
+        self.beta = nn.Linear(hidden_size, num_heads, **factory)
+        self.num_heads, self.head_dim, self.chunk_size = num_heads, head_dim, chunk_size
+        self.gate_init, self.beta_init = gate_init, beta_init
+        self.reset_gates()
+
+    def reset_gates(self) -> None:
+        """The start: every head with decay ``gate_init`` and write strength ``beta_init``, whatever the input."""
+        with torch.no_grad():
+            for linear, start in ((self.gate, self.gate_init), (self.beta, self.beta_init)):
+                linear.weight.zero_()
+                linear.bias.fill_(gate_bias(start))
+
+    def forward(
+        self,
+        q_BHTE: torch.Tensor,
+        k_BHTE: torch.Tensor,
+        v_BHTE: torch.Tensor,
+        x_BTD: torch.Tensor,
+        mask_BT: torch.Tensor | None = None,
+        state_BHEE: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``out_BHTE`` and the state after the last position; padded positions
+        (``mask_BT`` 0) write nothing and decay nothing."""
+        log_a_BHT = F.logsigmoid(self.gate(x_BTD).float()).transpose(1, 2)
+        beta_BHT = torch.sigmoid(self.beta(x_BTD).float()).transpose(1, 2)
+        if mask_BT is not None:
+            log_a_BHT, beta_BHT = log_a_BHT * mask_BT[:, None, :], beta_BHT * mask_BT[:, None, :]
+        if state_BHEE is not None and q_BHTE.shape[2] == 1:
+            return gated_delta_step(q_BHTE, k_BHTE, v_BHTE, beta_BHT, log_a_BHT, state_BHEE)
+        return chunked_gated_delta(q_BHTE, k_BHTE, v_BHTE, beta_BHT, log_a_BHT, self.chunk_size, state_BHEE)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Multiply-adds per token over all heads (the gate maps are ``nn.Linear``s, counted with the block's).
+
+        Per head: decay, recall, write and readout of the ``E x E`` state (``4 E^2``, each chunk's
+        state work shared by its positions: the same order); in-chunk scores, key products and
+        the triangular solve ``C (4E)``.
+        """
+        chunk = min(self.chunk_size, seq_len)
+        return 2 * self.num_heads * (4 * self.head_dim * self.head_dim + 4 * chunk * self.head_dim)
+
+
 def apply_rotary(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding as Llama/Qwen2/Mistral apply it (rotate-half layout)."""
     half = x_BHTE.shape[-1] // 2
@@ -885,7 +1048,7 @@ class LinearAttentionBlock(nn.Module):
         self.num_kv_groups = attn.num_key_value_groups
         self.layer_idx = layer_idx
         shape = {"num_heads": attn.q_proj.out_features // attn.head_dim, "head_dim": attn.head_dim,
-                 "feature_map": spec["feature_map"], "feature_dim": int(spec["feature_dim"]),
+                 "feature_map": spec.get("feature_map"), "feature_dim": int(spec.get("feature_dim") or 0),
                  "causal": bool(getattr(config, "is_causal", True)), "chunk_size": int(spec["chunk_size"]),
                  "device": weight.device, "dtype": weight.dtype}
         self.attention = self._make_attention(spec, shape, config, attn)
@@ -981,6 +1144,17 @@ class GatedLinearAttentionBlock(LinearAttentionBlock):
         )
         store_state(cache, self.layer_idx, state_BHFX, seq_len)
         return out_BHTE
+
+
+class GatedDeltaRuleBlock(GatedLinearAttentionBlock):
+    """:class:`LinearAttentionBlock` with :class:`GatedDeltaRule`, its gates reading the normed layer input."""
+
+    def _make_attention(self, spec: dict[str, Any], shape: dict[str, Any], config: DistillLlamaConfig,
+                        attn: nn.Module) -> nn.Module:
+        factory = {"device": shape["device"], "dtype": shape["dtype"]}
+        return GatedDeltaRule(shape["num_heads"], shape["head_dim"], config.hidden_size, shape["chunk_size"],
+                              gate_init=float(spec.get("gate_init", 0.999)),
+                              beta_init=float(spec.get("beta_init", 0.5)), **factory)
 
 
 # ---------------------------------------------------------------------- replaced layers
@@ -1161,12 +1335,13 @@ LINEAR_BLOCKS: dict[str, type[LinearAttentionBlock]] = {
     "linear_attention": LinearAttentionBlock,
     "sliding_window_linear": SlidingWindowLinearBlock,
     "gated_linear_attention": GatedLinearAttentionBlock,
+    "gated_delta_rule": GatedDeltaRuleBlock,
 }
 """Kind -> the block of a :class:`DistillLlamaLinearAttentionLayer`."""
 
 
 class DistillLlamaLinearAttentionLayer(GradientCheckpointingLayer):
-    """Kinds linear_attention, sliding_window_linear, gated_linear_attention: the kind's block of ``LINEAR_BLOCKS``.
+    """Kinds linear_attention, sliding_window_linear, gated_linear_attention, gated_delta_rule: the kind's block of ``LINEAR_BLOCKS``.
 
     State in the layer's cache layer: a ``LinearAttentionLayer`` (linear and gated linear
     attention), a ``LinearAttentionAndSlidingWindowAttentionLayer`` (the window's KV ring
@@ -1208,6 +1383,7 @@ REPLACED_LAYERS: dict[str, type[nn.Module]] = {
     "linear_attention": DistillLlamaLinearAttentionLayer,
     "sliding_window_linear": DistillLlamaLinearAttentionLayer,
     "gated_linear_attention": DistillLlamaLinearAttentionLayer,
+    "gated_delta_rule": DistillLlamaLinearAttentionLayer,
 }
 """``config.distill_layers[i]["kind"]`` -> the class of layer i."""
 
@@ -1250,6 +1426,10 @@ class DistillLlamaPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GatedLinearAttention):
             init.zeros_(module.gate.weight)
             init.constant_(module.gate.bias, gate_bias(module.gate_init))
+        elif isinstance(module, GatedDeltaRule):
+            for linear, start in ((module.gate, module.gate_init), (module.beta, module.beta_init)):
+                init.zeros_(linear.weight)
+                init.constant_(linear.bias, gate_bias(start))
 
 
 def _init_rotary_per_layer_type(module: nn.Module) -> None:

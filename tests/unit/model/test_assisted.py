@@ -28,6 +28,7 @@ from transformers import (
 
 from distill.model.assemble import export_student, load_student
 from distill.model.teacher import Teacher
+from distill.replacements.gated_delta_rule import GatedDeltaRuleLayer
 from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.mlp import ResidualMLP
@@ -41,6 +42,7 @@ KINDS = {
     "linear_attention": (LinearAttentionLayer, {"chunk_size": 4}),
     "sliding_window_linear": (SlidingWindowLinearLayer, {"chunk_size": 4, "window": 3}),
     "gated_linear_attention": (GatedLinearAttentionLayer, {"chunk_size": 4, "gate_init": 0.9}),
+    "gated_delta_rule": (GatedDeltaRuleLayer, {"chunk_size": 4, "gate_init": 0.9, "beta_init": 0.5}),
     "mlp": (ResidualMLP, {"hidden_mult": 1.0}),
     "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
 }

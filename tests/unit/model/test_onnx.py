@@ -6,7 +6,8 @@ sequence axes and the attention mask as an input, from a padded example. onnxrun
 must equal torch's (1e-4) at other batch sizes and lengths, padded and unpadded: a graph whose
 shapes were baked in from the example fails here. Padded positions are left out of the
 comparison (their outputs mean nothing; softmax over no key differs between runtimes).
-Skipped without the ``onnx`` extra (onnxscript, onnxruntime).
+The gated delta rule, whose state crosses chunks through a loop, is refused by name rather than
+exported at the example's length. Skipped without the ``onnx`` extra (onnxscript, onnxruntime).
 
 Shape legend: B batch, T tokens, V vocabulary, D hidden size.
 """
@@ -22,6 +23,7 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 from distill.model.assemble import export_student, load_student
 from distill.model.teacher import Teacher
+from distill.replacements.gated_delta_rule import GatedDeltaRuleLayer
 from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.lowrank import LowRankLayer
@@ -118,3 +120,13 @@ def test_onnxruntime_equals_torch_at_other_shapes_padded_and_not(role: str, tmp_
         assert got.shape == want.shape
         real = mask_BT.bool()
         torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-4, msg=f"{role} at {(batch, length, padded)}")
+
+
+def test_the_delta_rule_is_refused_by_name_not_exported_at_one_length(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    teacher = Teacher(LlamaForCausalLM(LlamaConfig(**SIZES, num_hidden_layers=2, num_key_value_heads=2,
+                                                   pad_token_id=0)))
+    replacements = _perturbed({0: GatedDeltaRuleLayer(teacher, 0, chunk_size=4)})
+    export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(tmp_path / "delta"))
+    with pytest.raises(Exception, match="gated_delta_rule cannot be exported for inputs of any length"):
+        _onnx_session(load_student(str(tmp_path / "delta")), {"use_cache": False}, tmp_path / "delta.onnx")

@@ -27,8 +27,10 @@ from distill.model.modeling.modeling_distill_llama import (
     bidirectional_gated_numden,
     bidirectional_linear_attention,
     causal_linear_attention,
+    chunked_gated_delta,
     gated_linear_numden,
     normalise,
+    recurrent_gated_delta,
     recurrent_gated_linear_attention,
     recurrent_linear_attention,
     with_ones,
@@ -278,3 +280,75 @@ def test_gated_kernels_reduce_to_linear_attention_without_decay() -> None:
     torch.testing.assert_close(normalise(gated_BHTX), causal_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE, 4)[0])
     both_BHTX = bidirectional_gated_numden(phi_q_BHTF, phi_k_BHTF, with_ones(v_BHTE), no_decay_BHT, 4)
     torch.testing.assert_close(normalise(both_BHTX), bidirectional_linear_attention(phi_q_BHTF, phi_k_BHTF, v_BHTE))
+
+
+# ---------------------------------------------------------------- the gated delta rule
+
+
+def _delta_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q_BHTE, k_BHTE, v_BHTE = (torch.randn(2, 3, seq_len, 8, generator=gen) for _ in range(3))
+    beta_BHT = torch.rand(2, 3, seq_len, generator=gen)
+    log_a_BHT = F.logsigmoid(torch.randn(2, 3, seq_len, generator=gen) + 2)
+    return q_BHTE, k_BHTE, v_BHTE, beta_BHT, log_a_BHT
+
+
+def _naive_delta(q_BHTE, k_BHTE, v_BHTE, beta_BHT, log_a_BHT) -> torch.Tensor:
+    """The rule as written, per position: S <- a (I - b k k^T) S + b k v^T, out = S^T q (unit q, k)."""
+    q_BHTE, k_BHTE = F.normalize(q_BHTE, dim=-1), F.normalize(k_BHTE, dim=-1)
+    state_BHEE = torch.zeros(*q_BHTE.shape[:2], 8, 8, dtype=torch.float64)
+    eye_EE = torch.eye(8, dtype=torch.float64)
+    outs = []
+    for t in range(q_BHTE.shape[2]):
+        k_BHE1, b_BH11 = k_BHTE[:, :, t, :, None].double(), beta_BHT[:, :, t, None, None].double()
+        transition_BHEE = log_a_BHT[:, :, t, None, None].double().exp() * (eye_EE - b_BH11 * k_BHE1 @ k_BHE1.transpose(-1, -2))
+        state_BHEE = transition_BHEE @ state_BHEE + b_BH11 * k_BHE1 @ v_BHTE[:, :, t, None, :].double()
+        outs.append(state_BHEE.transpose(-1, -2) @ q_BHTE[:, :, t, :, None].double())
+    return torch.cat(outs, dim=-1).transpose(-1, -2).float()
+
+
+@pytest.mark.parametrize(("seq_len", "chunk_size", "split"), [(1, 4, 0), (9, 4, 0), (13, 4, 6), (20, 64, 11), (37, 8, 16)])
+def test_delta_rule_chunked_form_equals_recurrent_form_and_the_rule(seq_len: int, chunk_size: int, split: int) -> None:
+    """Training's chunked kernel (a triangular solve per chunk), decoding's recurrence, the rule
+    written out in float64, and a prefill continued token by token agree to 1e-5."""
+    inputs = _delta_inputs(seq_len, seed=4)
+    chunked_BHTE, chunked_state_BHEE = chunked_gated_delta(*inputs, chunk_size)
+    recurrent_BHTE, recurrent_state_BHEE = recurrent_gated_delta(*inputs)
+    torch.testing.assert_close(chunked_BHTE, recurrent_BHTE, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_state_BHEE, recurrent_state_BHEE, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(recurrent_BHTE, _naive_delta(*inputs), atol=1e-5, rtol=1e-5)
+    if split:
+        head = [x[:, :, :split] for x in inputs]
+        tail = [x[:, :, split:] for x in inputs]
+        _, state_BHEE = chunked_gated_delta(*head, chunk_size)
+        tail_BHTE, _ = recurrent_gated_delta(*tail, state_BHEE)
+        torch.testing.assert_close(tail_BHTE, recurrent_BHTE[:, :, split:], atol=1e-5, rtol=1e-5)
+        chunked_tail_BHTE, _ = chunked_gated_delta(*tail, chunk_size, state_BHEE)
+        torch.testing.assert_close(chunked_tail_BHTE, recurrent_BHTE[:, :, split:], atol=1e-5, rtol=1e-5)
+
+
+def test_delta_rule_recalls_the_last_value_written_under_a_key() -> None:
+    """b = 1, no decay: writing v1 then v2 under one key leaves v2 (the delta rule overwrites;
+    linear attention would return their sum), and another key's value is untouched."""
+    k_E = F.normalize(torch.randn(8), dim=0)
+    other_E = torch.linalg.qr(torch.stack([k_E, torch.randn(8)], dim=1))[0][:, 1]  # orthogonal to k
+    keys_BHTE = torch.stack([k_E, other_E, k_E])[None, None]
+    values_BHTE = torch.randn(1, 1, 3, 8)
+    out_BHTE, state_BHEE = chunked_gated_delta(keys_BHTE, keys_BHTE, values_BHTE, torch.ones(1, 1, 3),
+                                               torch.zeros(1, 1, 3), 4)
+    torch.testing.assert_close(k_E @ state_BHEE[0, 0], values_BHTE[0, 0, 2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(other_E @ state_BHEE[0, 0], values_BHTE[0, 0, 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_BHTE[0, 0, 2], values_BHTE[0, 0, 2], atol=1e-5, rtol=1e-5)
+
+
+def test_delta_rule_padding_positions_change_nothing() -> None:
+    """b = 0 and log a = 0 at a position (how padding reaches the kernel): the state and every later output
+    are those of the sequence without it."""
+    q_BHTE, k_BHTE, v_BHTE, beta_BHT, log_a_BHT = _delta_inputs(10, seed=5)
+    beta_BHT[:, :, 4], log_a_BHT[:, :, 4] = 0.0, 0.0
+    with_pad_BHTE, with_pad_state = chunked_gated_delta(q_BHTE, k_BHTE, v_BHTE, beta_BHT, log_a_BHT, 4)
+    keep = [t for t in range(10) if t != 4]
+    without_BHTE, without_state = chunked_gated_delta(*(x[:, :, keep] for x in (q_BHTE, k_BHTE, v_BHTE, beta_BHT,
+                                                                               log_a_BHT)), 4)
+    torch.testing.assert_close(with_pad_BHTE[:, :, keep], without_BHTE, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_pad_state, without_state, atol=1e-5, rtol=1e-5)

@@ -35,6 +35,7 @@ import distill
 from distill.model.native import student_config
 from distill.model.teacher import Teacher
 from distill.replacements import Replacement, count_params, describe
+from distill.replacements.gated_delta_rule import GatedDeltaRuleLayer
 from distill.replacements.gated_linear_attention import GatedLinearAttentionLayer
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.lowrank import LowRankLayer, LowRankLinear
@@ -57,9 +58,12 @@ REPLACEMENTS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
     "linear_attention": (LinearAttentionLayer, {"chunk_size": 4}),
     "sliding_window_linear": (SlidingWindowLinearLayer, {"chunk_size": 4, "window": 3}),
     "gated_linear_attention": (GatedLinearAttentionLayer, {"chunk_size": 4, "gate_init": 0.9}),
+    "gated_delta_rule": (GatedDeltaRuleLayer, {"chunk_size": 4, "gate_init": 0.9, "beta_init": 0.5}),
     "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
     "lowrank": (LowRankLayer, {"rank_fraction": 0.25}),
 }
+CAUSAL_ONLY = ("gated_delta_rule",)
+"""Kinds encoders refuse (test_the_delta_rule_is_refused_for_encoders_before_training)."""
 
 
 def _tiny_teacher(family: str, dtype: torch.dtype = torch.float32) -> Teacher:
@@ -98,11 +102,17 @@ def llama_teacher() -> Teacher:
 
 def _build(name: str, teacher: Teacher, **overrides: Any) -> nn.Module:
     """Replacement ``name`` at its small test settings (fewer KV heads for pruned GQA)."""
+    _skip_refused(name, teacher)
     cls, options = REPLACEMENTS[name]
     options = {**options, **overrides}
     if name == "pruned" and teacher.family == "llama":
         options.setdefault("num_key_value_heads", 1)
     return cls(teacher=teacher, layer_idx=LAYER_IDX, **options)
+
+
+def _skip_refused(name: str, teacher: Teacher) -> None:
+    if name in CAUSAL_ONLY and not teacher.causal:
+        pytest.skip(f"{name} is causal only: encoders refuse it")
 
 
 def _hidden(teacher: Teacher, seed: int = 1) -> torch.Tensor:
@@ -211,7 +221,7 @@ def test_small_settings_are_smaller_and_cheaper(name: str, llama_teacher: Teache
     assert report["flops_ratio"] < 1
 
 
-@pytest.mark.parametrize("name", ["linear_attention", "sliding_window_linear", "gated_linear_attention"])
+@pytest.mark.parametrize("name", ["linear_attention", "sliding_window_linear", "gated_linear_attention", "gated_delta_rule"])
 def test_linear_attention_kinds_are_cheaper_at_long_context(name: str, llama_teacher: Teacher) -> None:
     replacement = _build(name, llama_teacher)
     assert describe(replacement, llama_teacher, seq_len=4096)["flops_ratio"] < 0.5
@@ -233,6 +243,7 @@ def test_option_file_builds_a_working_replacement(name: str, teacher: Teacher) -
     assert f"python -m distill mode=local replacement={name}" in path.read_text()
     cfg = OmegaConf.load(path)
     assert cfg._partial_ is True
+    _skip_refused(name, teacher)
     replacement = instantiate(cfg)(teacher=teacher, layer_idx=LAYER_IDX)
     assert replacement(_hidden(teacher)).shape == (BATCH, SEQ_LEN, HIDDEN)
 
@@ -569,3 +580,27 @@ def _decode_with_cache(replacement: nn.Module, config: Any, hidden_BTD: torch.Te
         outs.append(replacement(hidden_BTD[:, start:end], mask, positions, cache))
         start = end
     return torch.cat(outs, dim=1)
+
+
+# ---------------------------------------------------------------- GatedDeltaRuleLayer
+
+
+def test_the_delta_rule_is_refused_for_encoders_before_training() -> None:
+    with pytest.raises(ValueError, match="replacement=gated_delta_rule cannot reproduce the bert teacher's layers: "
+                                         "attention in both directions"):
+        GatedDeltaRuleLayer(_tiny_teacher("bert"), LAYER_IDX)
+
+
+@pytest.mark.parametrize(("options", "key"), [({"gate_init": 1.0}, "replacement.gate_init"),
+                                              ({"beta_init": 0.0}, "replacement.beta_init"),
+                                              ({"chunk_size": 0}, "replacement.chunk_size")])
+def test_the_delta_rule_rejects_bad_options(options: dict, key: str, llama_teacher: Teacher) -> None:
+    with pytest.raises(ValueError, match=key):
+        GatedDeltaRuleLayer(llama_teacher, LAYER_IDX, **options)
+
+
+def test_the_delta_rule_keeps_no_feature_map_and_exports_its_gates(llama_teacher: Teacher) -> None:
+    layer = _build("gated_delta_rule", llama_teacher)
+    assert layer.layer_spec() == {"kind": "gated_delta_rule", "chunk_size": 4, "gate_init": 0.9, "beta_init": 0.5}
+    new = {name for name, _ in layer.block.attention.named_parameters()}
+    assert new == {"gate.weight", "gate.bias", "beta.weight", "beta.bias"}
