@@ -40,7 +40,8 @@ state of every position older than the window.
 
 Assisted (speculative) decoding crops the cache back past rejected draft tokens. While a cache
 records its past (``cache.activate_past_recording``, which ``generate`` calls), each recurrent
-layer runs its last ``recurrent_states_to_keep`` new positions one at a time and keeps the state
+layer's kernel runs its last ``recurrent_states_to_keep`` new positions one at a time (projections
+and MLP stay batched) and keeps the state
 before each, and ``crop`` puts the state of the last accepted position back
 (``RecurrentCacheLayer``, ``HybridSlidingCacheLayer``: transformers' cache layers with that crop).
 Replaced layers are ``GradientCheckpointingLayer``s, so ``activation_checkpointing_enable()``
@@ -1074,9 +1075,26 @@ class LinearAttentionBlock(nn.Module):
         cos_BTE, sin_BTE = self.rotary_emb(hidden_BTD, position_ids)
         q_BHTE = apply_rotary(q_BHTE, cos_BTE, sin_BTE)
         k_BKTE = apply_rotary(k_BKTE, cos_BTE, sin_BTE)
-        out_BHTE = self._attend(normed_BTD, q_BHTE, k_BKTE, v_BKTE, attention_mask, cache)
+        out_BHTE = self._attend_in_pieces(normed_BTD, q_BHTE, k_BKTE, v_BKTE, attention_mask, cache)
         hidden_BTD = hidden_BTD + self.o_proj(merge_heads(out_BHTE, hidden_BTD.dtype))
         return hidden_BTD + self.mlp(self.post_attention_layernorm(hidden_BTD))
+
+    def _attend_in_pieces(self, normed_BTD: torch.Tensor, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor,
+                          v_BKTE: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+        """:meth:`_attend` over every position at once; while the cache records its past, its last
+        positions one at a time (:func:`steps_to_record`), so each leaves a state to go back to.
+        Only the kernel runs per position: projections and MLP stay batched."""
+        seq_len = q_BHTE.shape[2]
+        steps = steps_to_record(cache, self.layer_idx, seq_len)
+        if not steps:
+            return self._attend(normed_BTD, q_BHTE, k_BKTE, v_BKTE, attention_mask, cache)
+        cuts = ([0] if steps < seq_len else []) + list(range(seq_len - steps, seq_len + 1))
+        pieces = []
+        for start, end in zip(cuts[:-1], cuts[1:], strict=True):
+            mask = None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - (seq_len - end)]
+            pieces.append(self._attend(normed_BTD[:, start:end], q_BHTE[:, :, start:end], k_BKTE[:, :, start:end],
+                                       v_BKTE[:, :, start:end], mask, cache))
+        return torch.cat(pieces, dim=2)
 
     def _attend(self, normed_BTD: torch.Tensor, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
                 attention_mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
@@ -1351,7 +1369,6 @@ class DistillLlamaLinearAttentionLayer(GradientCheckpointingLayer):
     def __init__(self, config: DistillLlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.block = LINEAR_BLOCKS[config.distill_layers[str(layer_idx)]["kind"]](config, layer_idx)
-        self.layer_idx = layer_idx
 
     def forward(
         self,
@@ -1360,19 +1377,7 @@ class DistillLlamaLinearAttentionLayer(GradientCheckpointingLayer):
         position_ids: torch.Tensor | None = None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        """The block over all positions at once; while the cache records its past, its last
-        positions one at a time (:func:`steps_to_record`), so each leaves a state to go back to."""
-        seq_len = hidden_BTD.shape[1]
-        steps = steps_to_record(cache, self.layer_idx, seq_len)
-        if not steps:
-            return self.block(hidden_BTD, attention_mask, position_ids, cache)
-        cuts = ([0] if steps < seq_len else []) + list(range(seq_len - steps, seq_len + 1))
-        pieces = []
-        for start, end in zip(cuts[:-1], cuts[1:], strict=True):
-            mask = None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - (seq_len - end)]
-            positions = None if position_ids is None else position_ids[:, start:end]
-            pieces.append(self.block(hidden_BTD[:, start:end], mask, positions, cache))
-        return torch.cat(pieces, dim=1)
+        return self.block(hidden_BTD, attention_mask, position_ids, cache)
 
 
 REPLACED_LAYERS: dict[str, type[nn.Module]] = {
