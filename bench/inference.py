@@ -16,24 +16,55 @@ the cache holds, and the ratios.
 Targets on the 2-core machine: the student's ms/token grows less than 1.2x from 512 to 8192,
 is at least 2x faster than the teacher at 8192, and its state does not grow with context.
 
-Run it from the repository root (about a minute)::
+``--assist``: assisted (speculative) decoding, the student drafting for its teacher. In one
+run, per prompt, the teacher generates ``--new-tokens`` greedily alone and then with the
+student as ``assistant_model`` (``teacher.generate(ids, assistant_model=student,
+do_sample=False)``, transformers' defaults: up to 20 drafted tokens a round, drafting stops
+after the first token the student gives less than 0.4 probability, a threshold that adapts
+only where scikit-learn is installed, not here), alternated ``--repeats``
+times, the median of each kept. Two pairs, batch 1: (i) ``random``, the random Llama above and
+its untrained all-linear-attention student, on random-id prompts; (ii) ``run``, with
+``--assist-run DIR``, the teacher a ``python -m distill mode=local`` run distilled (the
+``teacher_source`` of ``DIR/student/distill_student.json``, loaded with
+``AutoModelForCausalLM``) and its exported ``DIR/student``, on the first ``--prompt-tokens``
+tokens of the held-out pydoc topics (the run's tokenizer; random ids if it saved none); without
+a run directory the pair is skipped and the output says so. Printed per pair: ms per generated
+token of each mode (``generate``'s wall time, the prompt's prefill included, over the new
+tokens), the speed-up, the acceptance rate (accepted / drafted tokens), tokens per teacher
+forward, and whether the assisted tokens equal the teacher's own greedy ones (exit code 1 if
+not). Counted with forward hooks (``tallying_forwards``), no transformers internals: every
+student forward in an assisted ``generate`` drafts one token; every teacher forward verifies
+one draft and adds one token of its own, so accepted = new tokens - teacher forwards.
+
+Run it from the repository root (about a minute each)::
 
     flock /tmp/distill-cpu.lock python bench/inference.py
     python bench/inference.py --quick      # smoke run: contexts 64 and 256, batch 1
+    flock /tmp/distill-cpu.lock python bench/inference.py --assist --assist-run outputs/<date>/<time>
+    python bench/inference.py --assist --quick     # 1 prompt, 16 new tokens, 1 repeat
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
+import os
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pydoc_data.topics import topics
+from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from distill.model.assemble import export_student, load_student
+from distill.model.assemble import STUDENT_FILE, export_student, load_student
+from distill.model.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, split_documents
 from distill.model.decode import DecodeSpeed, measure_decode
 from distill.model.teacher import Teacher
 from distill.replacements.linear_attention import LinearAttentionLayer
@@ -105,10 +136,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per cell")
     parser.add_argument("--repeats", type=int, default=3, help="teacher/student alternations per cell")
-    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, batch 1, 4 steps, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, batch 1, 4 steps, 1 repeat "
+                        "(--assist: 1 prompt, 16 new tokens, 1 repeat)")
+    parser.add_argument("--assist", action="store_true", help="the teacher alone against the teacher assisted by "
+                        "its student (assisted decoding)")
+    parser.add_argument("--assist-run", metavar="DIR", help="--assist: also a `python -m distill mode=local` run "
+                        "directory's teacher and student")
+    parser.add_argument("--prompts", type=int, default=ASSIST_PROMPTS, help="--assist: prompts per pair")
+    parser.add_argument("--prompt-tokens", type=int, default=ASSIST_PROMPT_TOKENS, help="--assist: tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=ASSIST_NEW_TOKENS, help="--assist: tokens generated per prompt")
     args = parser.parse_args(argv)
+    if args.assist_run and not args.assist:
+        parser.error("--assist-run DIR needs --assist")
     if args.quick:
         args.contexts, args.batches, args.steps, args.repeats = [64, 256], [1], 4, 1
+        args.prompts, args.new_tokens = 1, 16
+    if args.assist:
+        return assist_main(args.assist_run, args.prompts, args.prompt_tokens, args.new_tokens, args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; teacher: random Llama {CONFIG}")
     with tempfile.TemporaryDirectory(prefix="distill-bench-inference-") as out_dir:
         teacher, student = build_models(out_dir)
@@ -124,6 +168,201 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(verdict(rows)))
     return 0
+
+
+# ---------------------------------------------------------------------- --assist
+
+ASSIST_PROMPT_TOKENS, ASSIST_NEW_TOKENS, ASSIST_PROMPTS = 64, 64, 4
+
+
+@dataclass
+class Forwards:
+    """Calls of one model while a block ran, and the seconds spent inside them."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class AssistRun:
+    """One prompt generated greedily by the teacher alone and with its student as ``assistant_model``;
+    seconds are the median of the repeats, prefill included."""
+
+    new_tokens: int
+    alone_s: float
+    assisted_s: float
+    alone: Forwards
+    """Teacher forwards in the run alone: one per token."""
+    teacher: Forwards
+    """Teacher forwards in the assisted run: each verifies one draft and adds one token of its own."""
+    student: Forwards
+    """Student forwards in the assisted run: one per drafted token."""
+    same: bool
+    """The assisted tokens equal the teacher's own greedy tokens."""
+
+    @property
+    def accepted(self) -> int:
+        return self.new_tokens - self.teacher.calls
+
+
+@contextlib.contextmanager
+def tallying_forwards(model: torch.nn.Module) -> Iterator[Forwards]:
+    """Count and time the calls of ``model`` (forward hooks) while the block runs."""
+    tally, started = Forwards(), [0.0]
+
+    def before(*_: object) -> None:
+        started[0] = time.perf_counter()
+
+    def after(*_: object) -> None:
+        tally.calls += 1
+        tally.seconds += time.perf_counter() - started[0]
+    handles = (model.register_forward_pre_hook(before), model.register_forward_hook(after))
+    try:
+        yield tally
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _generate(model: torch.nn.Module, prompt_1T: torch.Tensor, new_tokens: int,
+              **options: object) -> tuple[torch.Tensor, float]:
+    """Greedy tokens after the prompt, and the seconds ``generate`` took."""
+    pad = model.generation_config.pad_token_id
+    started = time.perf_counter()
+    out_1T = model.generate(prompt_1T, attention_mask=torch.ones_like(prompt_1T), max_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=0 if pad is None else pad, **options)
+    return out_1T[:, prompt_1T.shape[1]:], time.perf_counter() - started
+
+
+def measure_assist(teacher: torch.nn.Module, student: torch.nn.Module, prompt_1T: torch.Tensor, new_tokens: int,
+                   repeats: int) -> AssistRun:
+    """The teacher alone and assisted, alternated ``repeats`` times; the median of each."""
+    alone_s, assisted_s, tallies, same = [], [], [], True
+    for _ in range(repeats):
+        with tallying_forwards(teacher) as alone:
+            alone_1N, seconds = _generate(teacher, prompt_1T, new_tokens)
+        alone_s.append(seconds)
+        with tallying_forwards(teacher) as verified, tallying_forwards(student) as drafted:
+            assisted_1N, seconds = _generate(teacher, prompt_1T, new_tokens, assistant_model=student)
+        assisted_s.append(seconds)
+        tallies.append((alone, verified, drafted))
+        same = same and torch.equal(assisted_1N, alone_1N)
+    median = [Forwards(tally.calls, statistics.median(t[idx].seconds for t in tallies))
+              for idx, tally in enumerate(tallies[-1])]
+    return AssistRun(assisted_1N.shape[1], statistics.median(alone_s), statistics.median(assisted_s), *median, same)
+
+
+def random_prompts(vocab_size: int, num_prompts: int, prompt_tokens: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab_size, (1, prompt_tokens), generator=gen) for _ in range(num_prompts)]
+
+
+def text_prompts(tokenizer: Any, num_prompts: int, prompt_tokens: int) -> list[torch.Tensor]:
+    """The first ``prompt_tokens`` tokens of the held-out pydoc topics (the default run's split: text
+    neither the teacher nor the student trained on), in order, skipping shorter ones."""
+    _, heldout = split_documents([topics[key] for key in sorted(topics)], DEFAULT_HELDOUT_FRACTION,
+                                 DEFAULT_SPLIT_SEED)
+    prompts = []
+    for doc in heldout:
+        ids_1T = tokenizer(doc, truncation=True, max_length=prompt_tokens, return_tensors="pt").input_ids
+        if ids_1T.shape[1] == prompt_tokens:
+            prompts.append(ids_1T)
+    if len(prompts) < num_prompts:
+        raise ValueError(f"only {len(prompts)} held-out pydoc topics have {prompt_tokens} tokens; lower --prompts.")
+    return prompts[:num_prompts]
+
+
+def load_run_pair(run_dir: str) -> tuple[torch.nn.Module, torch.nn.Module, Any, str]:
+    """The teacher a ``mode=local`` run distilled (``teacher_source`` of its student's manifest),
+    the exported student, the run's tokenizer (None when it saved none) and a description."""
+    student_dir = os.path.join(run_dir, "student")
+    if not os.path.isfile(os.path.join(student_dir, STUDENT_FILE)):
+        raise ValueError(f"--assist-run {run_dir} holds no exported student ({student_dir}/{STUDENT_FILE}); "
+                         "pass the run directory of `python -m distill mode=local` (outputs/<date>/<time>).")
+    with open(os.path.join(student_dir, STUDENT_FILE)) as f:
+        source = json.load(f)["teacher_source"]
+    teacher = AutoModelForCausalLM.from_pretrained(source).eval()
+    student = load_student(student_dir)
+    tokenizer = None
+    if any(os.path.isfile(os.path.join(student_dir, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(student_dir, trust_remote_code=True)  # the student's own code
+    return teacher, student, tokenizer, f"run {run_dir}: teacher {source} ({teacher.config.num_hidden_layers} layers)"
+
+
+def assist_pair(name: str, teacher: torch.nn.Module, student: torch.nn.Module, prompts: list[torch.Tensor],
+                new_tokens: int, repeats: int) -> tuple[str, list[AssistRun]]:
+    """Every prompt of one pair, after an untimed warm-up of both modes."""
+    _generate(teacher, prompts[0], 4)
+    _generate(teacher, prompts[0], 4, assistant_model=student)
+    runs = []
+    for idx, prompt_1T in enumerate(prompts):
+        run = measure_assist(teacher, student, prompt_1T, new_tokens, repeats)
+        runs.append(run)
+        print(f"  {name} prompt {idx}: alone {1e3 * run.alone_s / run.new_tokens:.2f} ms/token, assisted "
+              f"{1e3 * run.assisted_s / run.new_tokens:.2f} ms/token, accepted {run.accepted}/{run.student.calls}, "
+              f"same tokens: {run.same}", flush=True)
+    return name, runs
+
+
+def assist_table(pairs: list[tuple[str, list[AssistRun]]]) -> str:
+    """Markdown table: one row per pair, its prompts' tokens and seconds summed."""
+    lines = ["| pair | prompts | new tokens | teacher alone ms/token | teacher + student ms/token | speed-up "
+             "| accepted / drafted | acceptance | tokens per teacher forward | same tokens as alone |",
+             "| --- " * 10 + "|"]
+    for name, runs in pairs:
+        tokens = sum(r.new_tokens for r in runs)
+        alone_ms, assisted_ms = (1e3 * sum(getattr(r, key) for r in runs) / tokens for key in ("alone_s", "assisted_s"))
+        accepted, drafted = sum(r.accepted for r in runs), sum(r.student.calls for r in runs)
+        lines.append(f"| {name} | {len(runs)} | {tokens} | {alone_ms:.2f} | {assisted_ms:.2f} | "
+                     f"{alone_ms / assisted_ms:.2f}x | {accepted} / {drafted} | {accepted / max(drafted, 1):.1%} | "
+                     f"{tokens / sum(r.teacher.calls for r in runs):.2f} | {sum(r.same for r in runs)}/{len(runs)} |")
+    return "\n".join(lines)
+
+
+def time_split_table(pairs: list[tuple[str, list[AssistRun]]]) -> str:
+    """Markdown table: where each mode's time went, in ms per generated token, then ms per forward."""
+    lines = ["| pair | alone: teacher forwards | alone: rest of generate | assisted: teacher forwards "
+             "| assisted: student forwards | assisted: rest of generate | ms per teacher forward alone "
+             "| ms per teacher forward verifying | ms per student forward drafting |", "| --- " * 9 + "|"]
+    for name, runs in pairs:
+        tokens = sum(r.new_tokens for r in runs)
+        alone, teacher, student = (Forwards(sum(getattr(r, key).calls for r in runs),
+                                            sum(getattr(r, key).seconds for r in runs))
+                                   for key in ("alone", "teacher", "student"))
+        alone_s, assisted_s = sum(r.alone_s for r in runs), sum(r.assisted_s for r in runs)
+        per_token = [alone.seconds, alone_s - alone.seconds, teacher.seconds, student.seconds,
+                     assisted_s - teacher.seconds - student.seconds]
+        per_call = [f.seconds / max(f.calls, 1) for f in (alone, teacher, student)]
+        lines.append(f"| {name} | " + " | ".join(f"{1e3 * s / tokens:.2f}" for s in per_token) + " | "
+                     + " | ".join(f"{1e3 * s:.2f}" for s in per_call) + " |")
+    return "\n".join(lines)
+
+
+def assist_main(run_dir: str | None, num_prompts: int, prompt_tokens: int, new_tokens: int, repeats: int) -> int:
+    """Pair (i), the random Llama and its untrained student; pair (ii), a run's teacher and student."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {num_prompts} prompts of {prompt_tokens} "
+          f"tokens, {new_tokens} new tokens each, batch 1, median of {repeats}")
+    run_pair = load_run_pair(run_dir) if run_dir is not None else None  # a wrong DIR fails before the timing
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="distill-bench-assist-") as out_dir:
+        teacher, student = build_models(out_dir)
+        prompts = random_prompts(teacher.config.vocab_size, num_prompts, prompt_tokens)
+        pairs.append(assist_pair("random", teacher, student, prompts, new_tokens, repeats))
+    if run_pair is None:
+        print("  run: skipped (no --assist-run DIR; pass a `python -m distill mode=local` run directory)")
+    else:
+        teacher, student, tokenizer, described = run_pair
+        print(f"  {described}; prompts: {'held-out pydoc text' if tokenizer else 'random ids (no tokenizer)'}")
+        prompts = (text_prompts(tokenizer, num_prompts, prompt_tokens) if tokenizer is not None
+                   else random_prompts(teacher.config.vocab_size, num_prompts, prompt_tokens))
+        pairs.append(assist_pair("run", teacher, student, prompts, new_tokens, repeats))
+    print()
+    print(assist_table(pairs))
+    print()
+    print(time_split_table(pairs))
+    same = all(r.same for _, runs in pairs for r in runs)
+    print(f"\nassisted tokens equal the teacher's own greedy tokens: {'yes' if same else 'NO'}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -34,12 +34,25 @@ prints, for a broker process (``distill.pipeline.Broker``):
    Each cell runs in a fresh process (its own high-water mark, VmHWM), at 1024 and 4096
    tokens per step (micro-batches of 2 and 8 chunks of 512).
 
+5. ``--checkpointing``: peak RSS of training steps of an exported student with and without
+   ``activation_checkpointing_enable()`` (``bench/checkpoint_memory.py``). A mixed student of a
+   random-weights Llama (hidden 512, 8 layers, vocab 8192; layers 0-2 linear attention, sliding
+   window + linear, gated linear attention, 4-5 a token-wise MLP and a pruned layer, 6 linear
+   attention, 3 and 7 the teacher's softmax attention), exported and loaded back with
+   ``load_student``; batch 2 x 1024 tokens, float32, next-token cross-entropy. Each cell runs
+   in a fresh process: after loading, its high-water mark is reset (``/proc/self/clear_refs``),
+   then 3 forward + backward steps; its peak is ``ru_maxrss`` after them (so neither the other
+   cell nor the load counts). Printed: RSS before the steps, the peak, the peak above the RSS
+   before, the median step after the first, the on/off ratios, and the largest difference
+   between the two cells' gradients (exit code 1 above 1e-4).
+
 Run it from the repository root::
 
     python bench/memory.py            # 60 s sustained + 10 s flood + 5 attacks x 2 x (4 + 4) s fairness
     python bench/memory.py --quick    # 10 s + 3 s + 5 x 2 x (2 + 2) s
     python bench/memory.py --only-fairness   # the attacks alone (issue 37's table in docs/security.md)
     python bench/memory.py --e2e      # the end-to-end stage, before / after (about 5 minutes)
+    python bench/memory.py --checkpointing   # activation checkpointing off / on (about 40 s)
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ from pathlib import Path
 import torch
 import zmq
 from attacks import ATTACKS, BIG_MODEL_CFG, run_attacker  # bench/attacks.py
+from checkpoint_memory import checkpointing_main  # bench/checkpoint_memory.py
 from children import SPAWN, Children, child_init, run_broker  # bench/children.py
 from pipeline import fill_targets, run_worker, sample_config  # bench/pipeline.py
 from safetensors.torch import save_file
@@ -290,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e", action="store_true", help="the end-to-end stage's peak RSS, before / after")
     parser.add_argument("--e2e-steps", type=int, default=2, help="training steps per end-to-end cell")
     parser.add_argument("--e2e-layers", type=int, default=E2E_LAYERS, help="teacher layers (16: ~1B parameters)")
+    parser.add_argument("--checkpointing", action="store_true", help="an exported student's training step, with "
+                        "and without activation checkpointing")
     parser.add_argument("--fair-seconds", type=float, default=None, help="each fairness window (default 4)")
     parser.add_argument("--rounds", type=int, default=2, help="quiet/attacked window pairs per attack (default 2)")
     parser.add_argument("--only-fairness", action="store_true", help="skip the sustained and flood phases")
@@ -297,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.e2e:
         return e2e_main(args.e2e_steps, args.e2e_layers)
+    if args.checkpointing:
+        return checkpointing_main()
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     flood_s = args.flood_seconds or (3.0 if args.quick else 10.0)
     fair_s = args.fair_seconds or (2.0 if args.quick else 4.0)
