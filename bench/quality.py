@@ -1,7 +1,7 @@
 """Distillation quality against cost: every replacement kind and an automatic hybrid, over seeds.
 
 For each kind (``replacement=`` linear_attention, sliding_window_linear,
-gated_linear_attention, mlp, pruned, lowrank, copy, and the automatic hybrids
+gated_linear_attention, gated_delta_rule (decoders), mlp, pruned, lowrank, copy, and the automatic hybrids
 ``student.hybrid.keep_softmax=1``: ``hybrid`` with linear attention, ``hybrid_sliding`` with
 sliding_window_linear) and each seed (``student.seed``: the
 replacements' init and the order of the training samples), this runs the real application
@@ -55,8 +55,10 @@ log = logging.getLogger("bench.quality")
 ROOT = Path(__file__).resolve().parent.parent
 HYBRIDS = {"hybrid": "linear_attention", "hybrid_sliding": "sliding_window_linear"}
 """The automatic-hybrid rows (``student.hybrid.keep_softmax=1``) and the replacement they convert with."""
-KINDS = ("linear_attention", "sliding_window_linear", "gated_linear_attention", "mlp", "pruned", "lowrank",
-         "copy", *HYBRIDS)
+KINDS = ("linear_attention", "sliding_window_linear", "gated_linear_attention", "gated_delta_rule", "mlp", "pruned",
+         "lowrank", "copy", *HYBRIDS)
+CAUSAL_ONLY = ("gated_delta_rule",)
+"""Kinds an encoder teacher refuses: left out of ``--teacher bert`` runs."""
 TEACHERS = {"llama": [], "bert": ["teacher=tiny_bert"]}
 CONTEXTS = (128, 8192)
 ATTEMPTS = 3
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir)
     budget = args.max_runs
     rows: dict[str, list[Run]] = {}
-    for kind in args.kinds:
+    kinds = [kind for kind in args.kinds if args.teacher == "llama" or kind not in CAUSAL_ONLY]
+    for kind in kinds:
         option, extra = kind_overrides(kind)
         for seed in args.seeds:
             name = f"{args.teacher}-{kind}-seed{seed}"
