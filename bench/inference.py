@@ -47,16 +47,12 @@ Run it from the repository root (about a minute each)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pydoc_data.topics import topics
 from typing import Any
 
@@ -64,6 +60,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from distill.model.assemble import STUDENT_FILE, export_student, load_student
+from distill.model.assist import AssistRun, Forwards, generate_greedy, measure_assist, summarise
 from distill.model.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, split_documents
 from distill.model.decode import DecodeSpeed, measure_decode
 from distill.model.teacher import Teacher
@@ -175,83 +172,6 @@ def main(argv: list[str] | None = None) -> int:
 ASSIST_PROMPT_TOKENS, ASSIST_NEW_TOKENS, ASSIST_PROMPTS = 64, 64, 4
 
 
-@dataclass
-class Forwards:
-    """Calls of one model while a block ran, and the seconds spent inside them."""
-
-    calls: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class AssistRun:
-    """One prompt generated greedily by the teacher alone and with its student as ``assistant_model``;
-    seconds are the median of the repeats, prefill included."""
-
-    new_tokens: int
-    alone_s: float
-    assisted_s: float
-    alone: Forwards
-    """Teacher forwards in the run alone: one per token."""
-    teacher: Forwards
-    """Teacher forwards in the assisted run: each verifies one draft and adds one token of its own."""
-    student: Forwards
-    """Student forwards in the assisted run: one per drafted token."""
-    same: bool
-    """The assisted tokens equal the teacher's own greedy tokens."""
-
-    @property
-    def accepted(self) -> int:
-        return self.new_tokens - self.teacher.calls
-
-
-@contextlib.contextmanager
-def tallying_forwards(model: torch.nn.Module) -> Iterator[Forwards]:
-    """Count and time the calls of ``model`` (forward hooks) while the block runs."""
-    tally, started = Forwards(), [0.0]
-
-    def before(*_: object) -> None:
-        started[0] = time.perf_counter()
-
-    def after(*_: object) -> None:
-        tally.calls += 1
-        tally.seconds += time.perf_counter() - started[0]
-    handles = (model.register_forward_pre_hook(before), model.register_forward_hook(after))
-    try:
-        yield tally
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _generate(model: torch.nn.Module, prompt_1T: torch.Tensor, new_tokens: int,
-              **options: object) -> tuple[torch.Tensor, float]:
-    """Greedy tokens after the prompt, and the seconds ``generate`` took."""
-    pad = model.generation_config.pad_token_id
-    started = time.perf_counter()
-    out_1T = model.generate(prompt_1T, attention_mask=torch.ones_like(prompt_1T), max_new_tokens=new_tokens,
-                            do_sample=False, pad_token_id=0 if pad is None else pad, **options)
-    return out_1T[:, prompt_1T.shape[1]:], time.perf_counter() - started
-
-
-def measure_assist(teacher: torch.nn.Module, student: torch.nn.Module, prompt_1T: torch.Tensor, new_tokens: int,
-                   repeats: int) -> AssistRun:
-    """The teacher alone and assisted, alternated ``repeats`` times; the median of each."""
-    alone_s, assisted_s, tallies, same = [], [], [], True
-    for _ in range(repeats):
-        with tallying_forwards(teacher) as alone:
-            alone_1N, seconds = _generate(teacher, prompt_1T, new_tokens)
-        alone_s.append(seconds)
-        with tallying_forwards(teacher) as verified, tallying_forwards(student) as drafted:
-            assisted_1N, seconds = _generate(teacher, prompt_1T, new_tokens, assistant_model=student)
-        assisted_s.append(seconds)
-        tallies.append((alone, verified, drafted))
-        same = same and torch.equal(assisted_1N, alone_1N)
-    median = [Forwards(tally.calls, statistics.median(t[idx].seconds for t in tallies))
-              for idx, tally in enumerate(tallies[-1])]
-    return AssistRun(assisted_1N.shape[1], statistics.median(alone_s), statistics.median(assisted_s), *median, same)
-
-
 def random_prompts(vocab_size: int, num_prompts: int, prompt_tokens: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(3, vocab_size, (1, prompt_tokens), generator=gen) for _ in range(num_prompts)]
@@ -292,8 +212,8 @@ def load_run_pair(run_dir: str) -> tuple[torch.nn.Module, torch.nn.Module, Any, 
 def assist_pair(name: str, teacher: torch.nn.Module, student: torch.nn.Module, prompts: list[torch.Tensor],
                 new_tokens: int, repeats: int) -> tuple[str, list[AssistRun]]:
     """Every prompt of one pair, after an untimed warm-up of both modes."""
-    _generate(teacher, prompts[0], 4)
-    _generate(teacher, prompts[0], 4, assistant_model=student)
+    generate_greedy(teacher, prompts[0], 4)
+    generate_greedy(teacher, prompts[0], 4, assistant_model=student)
     runs = []
     for idx, prompt_1T in enumerate(prompts):
         run = measure_assist(teacher, student, prompt_1T, new_tokens, repeats)
@@ -305,17 +225,16 @@ def assist_pair(name: str, teacher: torch.nn.Module, student: torch.nn.Module, p
 
 
 def assist_table(pairs: list[tuple[str, list[AssistRun]]]) -> str:
-    """Markdown table: one row per pair, its prompts' tokens and seconds summed."""
+    """Markdown table: one row per pair, its prompts' tokens and seconds summed (``distill.model.assist.summarise``)."""
     lines = ["| pair | prompts | new tokens | teacher alone ms/token | teacher + student ms/token | speed-up "
              "| accepted / drafted | acceptance | tokens per teacher forward | same tokens as alone |",
              "| --- " * 10 + "|"]
     for name, runs in pairs:
-        tokens = sum(r.new_tokens for r in runs)
-        alone_ms, assisted_ms = (1e3 * sum(getattr(r, key) for r in runs) / tokens for key in ("alone_s", "assisted_s"))
-        accepted, drafted = sum(r.accepted for r in runs), sum(r.student.calls for r in runs)
-        lines.append(f"| {name} | {len(runs)} | {tokens} | {alone_ms:.2f} | {assisted_ms:.2f} | "
-                     f"{alone_ms / assisted_ms:.2f}x | {accepted} / {drafted} | {accepted / max(drafted, 1):.1%} | "
-                     f"{tokens / sum(r.teacher.calls for r in runs):.2f} | {sum(r.same for r in runs)}/{len(runs)} |")
+        row = summarise(runs)
+        lines.append(f"| {name} | {row['prompts']} | {row['new_tokens']} | {row['alone_ms_per_token']:.2f} | "
+                     f"{row['assisted_ms_per_token']:.2f} | {row['speedup']:.2f}x | {row['accepted']} / "
+                     f"{row['drafted']} | {row['acceptance']:.1%} | {row['tokens_per_teacher_forward']:.2f} | "
+                     f"{row['same']}/{row['prompts']} |")
     return "\n".join(lines)
 
 

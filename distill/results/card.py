@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from distill.results.numbers import format_column, signed_percent
+from distill.results.numbers import assisted_sentence, format_column, signed_percent
 
 CARD_FILE = "README.md"
 
@@ -138,7 +138,8 @@ def _speed(facts: dict) -> str:
         "measured at the end of the run on the machine that trained it (`distill.model.decode`).", "",
         "| model | ms/token | cache / state MiB |", "| --- | --- | --- |",
         f"| teacher | {teacher['ms_per_token']:.2f} | {teacher['cache_bytes'] / 2**20:.2f} |",
-        f"| this student | {student['ms_per_token']:.2f} | {student['cache_bytes'] / 2**20:.2f} |"])
+        f"| this student | {student['ms_per_token']:.2f} | {student['cache_bytes'] / 2**20:.2f} |",
+        *(["", assisted_sentence(decode["assisted"])] if decode.get("assisted") else [])])
 
 
 def _fmt(value: float | None) -> str:

@@ -63,3 +63,15 @@ def _format(value: float, digits: int) -> str:
     if value == 0:
         return "0"
     return f"{value:#.{digits}g}".rstrip(".").replace(".e", "e")
+
+
+def assisted_sentence(assisted: dict) -> str:
+    """One paragraph: the teacher alone against the teacher with this student drafting (also in the model card)."""
+    same = ("the same tokens as the teacher alone" if assisted["same"] == assisted["prompts"]
+            else f"**different tokens on {assisted['prompts'] - assisted['same']} of {assisted['prompts']} prompts**")
+    return (f"Assisted decoding (the teacher's `generate(..., assistant_model=student)`, greedy, "
+            f"{assisted['prompts']} held-out prompts of {assisted['prompt_tokens']} tokens, "
+            f"{assisted['new_tokens'] // max(assisted['prompts'], 1)} new tokens each, prefill included): "
+            f"{assisted['alone_ms_per_token']:.2f} ms/token alone, {assisted['assisted_ms_per_token']:.2f} with "
+            f"this student drafting ({assisted['speedup']:.2f}x); {assisted['accepted']} of {assisted['drafted']} "
+            f"drafted tokens accepted ({assisted['acceptance']:.0%}); {same}.")

@@ -24,7 +24,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from distill.model.evaluate import EvalResult
-from distill.results.numbers import MISSING, column_format, ratio_to_one, signed_percent
+from distill.results.numbers import (
+    MISSING,
+    assisted_sentence,
+    column_format,
+    ratio_to_one,
+    signed_percent,
+)
 from distill.results.report_file import REPORT_FILE, TIME_HEADING
 
 log = logging.getLogger(__name__)
@@ -307,7 +313,15 @@ def _overall_section(result: EvalResult | None, decode: dict | None = None, fmt:
         f"| student / teacher | {ratio_to_one(result.relative_gap + 1)}x ({signed_percent(result.relative_gap)}) | "
         f"{1 / decode['speedup']:.3f}x ({decode['speedup']:.2f}x faster) | "
         f"{1 / decode['cache_ratio']:.4f}x ({decode['cache_ratio']:.0f}x smaller) |",
-        *(f"{row} {_MISSING} | {_MISSING} |" for row in identity)])
+        *(f"{row} {_MISSING} | {_MISSING} |" for row in identity), *_assisted_lines(decode.get("assisted"))])
+
+
+def _assisted_lines(assisted: dict | None) -> list[str]:
+    """The teacher generating with the student as its draft model, when the run measured it."""
+    if not assisted:
+        return []
+    return ["", assisted_sentence(assisted)]
+
 
 
 def _mib(num_bytes: int) -> str:

@@ -128,6 +128,12 @@ def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: P
     assert "decode ms/token @ 8,192" in (run2 / "report.md").read_text()
     card = (run2 / "student" / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers") and "## Speed" in card and "## Quality" in card
+    assisted = decode["assisted"]  # the teacher generating with the exported student drafting
+    assert assisted["same"] == assisted["prompts"] == 2 and 0 <= assisted["accepted"] <= assisted["drafted"]
+    assert assisted["new_tokens"] == 64 and assisted["speedup"] > 0
+    for text in ((run2 / "report.md").read_text(), card):
+        assert "Assisted decoding (the teacher's `generate(..., assistant_model=student)`" in text
+        assert "the same tokens as the teacher alone" in text
 
     from distill import load_student
 
