@@ -36,6 +36,7 @@ from distill.replacements.gated_linear_attention import GatedLinearAttentionLaye
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
+from tests.students import nudged
 
 pytest.importorskip("peft")
 
@@ -106,10 +107,7 @@ def _student_with_tokenizer(tmp_path: Path) -> Path:
                     1: SlidingWindowLinearLayer(teacher, 1, window=3, chunk_size=4),
                     3: GatedLinearAttentionLayer(teacher, 3, gate_init=0.9, chunk_size=4),
                     4: ResidualMLP(teacher, 4, hidden_mult=1.0)}
-    with torch.no_grad():
-        for module in replacements.values():
-            for param in module.parameters():
-                param.add_(torch.randn_like(param) * 0.05)
+    nudged(replacements)
     out = tmp_path / "export"
     export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(out))
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))

@@ -13,7 +13,6 @@ Shape legend: B batch, T tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
 from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
+from tests.students import nudged, single_thread  # noqa: F401  (single_thread: an autouse fixture)
 
 VOCAB, NEW = 64, 16
 SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
@@ -47,14 +47,6 @@ KINDS = {
     "pruned": (PrunedLayer, {"mlp_keep_fraction": 0.5}),
 }
 CFG = {"_target_": "recorded.only", "_partial_": True}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _teacher(family: str) -> Teacher:
@@ -72,10 +64,7 @@ def _student(teacher: Teacher, kind: str, tmp_path: Path) -> torch.nn.Module:
     else:
         cls, options = KINDS[kind]
         built = {idx: cls(teacher, idx, **options) for idx in (1, 2)}
-    with torch.no_grad():
-        for module in built.values():
-            for param in module.parameters():
-                param.add_(torch.randn_like(param) * 0.3)  # far enough from the teacher to reject drafts
+    nudged(built, 0.3)  # far enough from the teacher to reject drafts
     out = tmp_path / f"{teacher.family}-{kind}"
     export_student(teacher, "tiny", built, dict.fromkeys(built, CFG), str(out))
     return load_student(str(out))

@@ -11,7 +11,6 @@ Shape legend: B batch, T tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,20 +31,12 @@ from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
 from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
+from tests.students import nudged, single_thread  # noqa: F401  (single_thread: an autouse fixture)
 
 VOCAB = 64
 SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
          "num_attention_heads": 4, "initializer_range": 0.2}
 CFG = {"_target_": "recorded.only", "_partial_": True}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """The same reduction order in both runs, and tiny models gain nothing from threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _teacher(family: str) -> Teacher:
@@ -64,10 +55,7 @@ def _mixed_student(family: str, tmp_path: Path) -> torch.nn.Module:
                     2: GatedLinearAttentionLayer(teacher, 2, gate_init=0.9, chunk_size=4),
                     3: ResidualMLP(teacher, 3, hidden_mult=1.0),
                     4: PrunedLayer(teacher, 4, mlp_keep_fraction=0.5)}
-    with torch.no_grad():
-        for module in replacements.values():
-            for param in module.parameters():
-                param.add_(torch.randn_like(param) * 0.05)
+    nudged(replacements)
     out = tmp_path / family
     export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(out))
     model = load_student(str(out))

@@ -12,8 +12,6 @@ Shape legend: B batch, T tokens, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
@@ -24,19 +22,12 @@ from distill.replacements.gated_linear_attention import GatedLinearAttentionLaye
 from distill.replacements.linear_attention import LinearAttentionLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
+from tests.students import nudged, single_thread  # noqa: F401  (single_thread: an autouse fixture)
 
 VOCAB = 64
 SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5,
          "num_attention_heads": 4, "initializer_range": 0.2}
 CFG = {"_target_": "recorded.only", "_partial_": True}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +38,7 @@ def student(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
                     1: SlidingWindowLinearLayer(teacher, 1, window=3, chunk_size=4),
                     3: GatedLinearAttentionLayer(teacher, 3, gate_init=0.9, chunk_size=4),
                     4: ResidualMLP(teacher, 4)}
-    with torch.no_grad():
-        for module in replacements.values():
-            for param in module.parameters():
-                param.add_(torch.randn_like(param) * 0.05)
+    nudged(replacements)
     out = tmp_path_factory.mktemp("compile") / "student"
     export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(out))
     return load_student(str(out))

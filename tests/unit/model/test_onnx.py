@@ -14,7 +14,6 @@ Shape legend: B batch, T tokens, V vocabulary, D hidden size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from distill.replacements.lowrank import LowRankLayer
 from distill.replacements.mlp import ResidualMLP
 from distill.replacements.pruned import PrunedLayer
 from distill.replacements.sliding_window_linear import SlidingWindowLinearLayer
+from tests.students import nudged, single_thread  # noqa: F401  (single_thread: an autouse fixture)
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -42,27 +42,11 @@ SHAPES = [(1, 5, False), (3, 17, True), (4, 33, True), (2, 40, False)]
 """(batch, length, left-padded) to check at: none is the example's (2, 9)."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _perturbed(replacements: dict[int, torch.nn.Module]) -> dict[int, torch.nn.Module]:
-    with torch.no_grad():
-        for module in replacements.values():
-            for param in module.parameters():
-                param.add_(torch.randn_like(param) * 0.05)
-    return replacements
-
-
 def _decoder(tmp_path: Path) -> torch.nn.Module:
     torch.manual_seed(0)
     teacher = Teacher(LlamaForCausalLM(LlamaConfig(**SIZES, num_hidden_layers=7, num_key_value_heads=2,
                                                    pad_token_id=0)))
-    replacements = _perturbed({0: LinearAttentionLayer(teacher, 0, chunk_size=4),
+    replacements = nudged({0: LinearAttentionLayer(teacher, 0, chunk_size=4),
                                1: SlidingWindowLinearLayer(teacher, 1, window=3, chunk_size=4),
                                2: GatedLinearAttentionLayer(teacher, 2, gate_init=0.9, chunk_size=4),
                                3: ResidualMLP(teacher, 3, hidden_mult=1.0),
@@ -76,7 +60,7 @@ def _encoder(tmp_path: Path) -> torch.nn.Module:
     torch.manual_seed(0)
     teacher = Teacher(BertModel(BertConfig(**SIZES, num_hidden_layers=4, max_position_embeddings=64,
                                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
-    replacements = _perturbed({0: LinearAttentionLayer(teacher, 0, chunk_size=4),
+    replacements = nudged({0: LinearAttentionLayer(teacher, 0, chunk_size=4),
                                1: SlidingWindowLinearLayer(teacher, 1, window=3, chunk_size=4),
                                2: GatedLinearAttentionLayer(teacher, 2, gate_init=0.9, chunk_size=4)})
     export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(tmp_path / "encoder"))
@@ -126,7 +110,7 @@ def test_the_delta_rule_is_refused_by_name_not_exported_at_one_length(tmp_path: 
     torch.manual_seed(0)
     teacher = Teacher(LlamaForCausalLM(LlamaConfig(**SIZES, num_hidden_layers=2, num_key_value_heads=2,
                                                    pad_token_id=0)))
-    replacements = _perturbed({0: GatedDeltaRuleLayer(teacher, 0, chunk_size=4)})
+    replacements = nudged({0: GatedDeltaRuleLayer(teacher, 0, chunk_size=4)})
     export_student(teacher, "tiny", replacements, dict.fromkeys(replacements, CFG), str(tmp_path / "delta"))
     with pytest.raises(Exception, match="gated_delta_rule cannot be exported for inputs of any length"):
         _onnx_session(load_student(str(tmp_path / "delta")), {"use_cache": False}, tmp_path / "delta.onnx")
