@@ -131,7 +131,10 @@ class WorkerChurn:
 
 @pytest.mark.timeout(240)
 def test_switching_while_workers_die_and_restart(procs, endpoints, broker_kwargs, tmp_path) -> None:
-    broker = Broker(**broker_kwargs, heartbeat_interval_s=HEARTBEAT_S).start()
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=HEARTBEAT_S,
+                    # the run is read after its students left: kept longer than the
+                    # test's teardown (its 2 s default grace at this heartbeat, under load)
+                    run_grace_s=120).start()
     churn = WorkerChurn(endpoints, LIVE_WORKERS, CHURN_EVERY_S).start()
     try:
         results = SPAWN.Queue()

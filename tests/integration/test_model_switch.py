@@ -11,7 +11,10 @@ SWITCHES = 12
 
 
 def test_switching_under_load_two_ddp_ranks(procs, endpoints, broker_kwargs, tmp_path) -> None:
-    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2,
+                    # the run is read after its students left: kept longer than the
+                    # test's teardown (its 2 s default grace at this heartbeat, under load)
+                    run_grace_s=120).start()
     for _ in range(2):
         procs.start(peers.run_worker, endpoints, name="worker", max_batch=8)
     results = SPAWN.Queue()

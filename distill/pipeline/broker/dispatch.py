@@ -211,7 +211,7 @@ class Dispatcher:
         stale = run is None or work.generation != run.generation
         by_student: dict[bytes, list[list]] = {}
         discarded: dict[bytes, list[list[int]]] = {}
-        num_notified = 0
+        num_notified = num_abandoned = 0
         if not stale and not failed:  # the common case: every slot filled
             for request in work.requests:
                 if request.medium in notified:
@@ -220,10 +220,11 @@ class Dispatcher:
                 by_student.setdefault(request.student, []).extend(
                     [slot_idx, request_id, True] for slot_idx, request_id in request.slots)
         else:
-            _sort_outcomes(work, stale, failed, by_student, discarded, self._failures, state.students.mediums)
+            num_abandoned = _sort_outcomes(work, stale, failed, by_student, discarded, self._failures,
+                                           state.students.mediums)
             if notified and not stale:
                 num_notified = _drop_notified(work, notified, by_student)
-        self._count_outcomes(run, by_student, discarded, num_notified, bool(failed))
+        self._count_outcomes(run, by_student, discarded, num_notified, num_abandoned, bool(failed))
         send = state.send
         for student, rows in by_student.items():
             if rows:
@@ -232,11 +233,16 @@ class Dispatcher:
             send.to_student(student, Command.DISCARDED, {"generation": run.generation if run else 0, "slots": rows})
 
     def _count_outcomes(self, run: RunState | None, by_student: dict[bytes, list[list]],
-                        discarded: dict[bytes, list[list[int]]], num_notified: int, any_failed: bool) -> None:
+                        discarded: dict[bytes, list[list[int]]], num_notified: int, num_abandoned: int,
+                        any_failed: bool) -> None:
+        """Count a finished WORK's slots. ``num_abandoned`` of the failed rows were in the
+        segment of a student that has left (``_sort_outcomes``): counted as discarded, not
+        as completed or failed, since no student is waiting for them."""
         counters = self.state.counters
         num_failed = sum(not ok for rows in by_student.values() for *_, ok in rows) if any_failed else 0
-        num_rows = sum(len(v) for v in by_student.values()) + num_notified
-        num_discarded = sum(len(v) for v in discarded.values())
+        num_failed -= num_abandoned
+        num_rows = sum(len(v) for v in by_student.values()) + num_notified - num_abandoned
+        num_discarded = sum(len(v) for v in discarded.values()) + num_abandoned
         counters.completed += num_rows - num_failed
         counters.notified += num_notified
         counters.failed += num_failed
@@ -313,25 +319,31 @@ def _slots(requests: list[SlotRequests]) -> Iterator[tuple[SlotRequests, int, in
 
 def _sort_outcomes(work: Work, stale: bool, failed: dict[int, str], by_student: dict[bytes, list[list]],
                    discarded: dict[bytes, list[list[int]]], failures: LogThrottle,
-                   live_mediums: Container[str]) -> None:
+                   live_mediums: Container[str]) -> int:
     """Slot by slot: completed (ok or failed) or discarded (stale). A failed slot is a
-    warning, except in a segment whose student has left (``live_mediums`` no longer holds
-    it): a dataset that closed with WORK in flight unlinked it, and that is expected."""
-    idx = 0
+    warning and a failure, except in a segment whose student has left (``live_mediums``
+    no longer holds it): a dataset that closed with WORK in flight unlinked it, which is
+    expected at the end of every run, so such a slot is counted as discarded, not as
+    failed. Its row is still sent: a student forgotten for missed heartbeats may be alive,
+    and then asks again. Returns how many such slots there were."""
+    idx = abandoned = 0
     for request in work.requests:
         for slot_idx, request_id in request.slots:
             if stale or failed.get(idx) == "stale":
                 discarded.setdefault(request.student, []).append([slot_idx, request_id])
+            elif idx not in failed:
+                by_student.setdefault(request.student, []).append([slot_idx, request_id, True])
+            elif request.medium not in live_mediums:
+                log.debug("worker failed slot %d of %s, whose student has left: %s", slot_idx,
+                          medium_label(request.medium), failed[idx])
+                abandoned += 1
+                by_student.setdefault(request.student, []).append([slot_idx, request_id, False])
             else:
-                ok = idx not in failed
-                if not ok and request.medium not in live_mediums:
-                    log.debug("worker failed slot %d of %s, whose student has left: %s", slot_idx,
-                              medium_label(request.medium), failed[idx])
-                elif not ok:
-                    failures.warning("worker failed slot %d of %s: %s", slot_idx, medium_label(request.medium),
-                                     failed[idx])
-                by_student.setdefault(request.student, []).append([slot_idx, request_id, ok])
+                failures.warning("worker failed slot %d of %s: %s", slot_idx, medium_label(request.medium),
+                                 failed[idx])
+                by_student.setdefault(request.student, []).append([slot_idx, request_id, False])
             idx += 1
+    return abandoned
 
 
 def _drop_notified(work: Work, notified: frozenset[str], by_student: dict[bytes, list[list]]) -> int:

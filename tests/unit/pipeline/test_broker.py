@@ -29,6 +29,7 @@ from distill.pipeline.broker.records import (
     WorkerPeer,
 )
 from distill.pipeline.broker.runs import RequestLedger, RunTable
+from distill.pipeline.broker.state import BrokerState
 from distill.pipeline.protocol import Command, ProtocolError
 from distill.pipeline.throttle import LogThrottle
 from tests.hostile import Peer, fetch_stats
@@ -310,21 +311,27 @@ def test_the_ledger_drops_repeats_within_and_across_requests() -> None:
     assert ledger.admit("m", [[0, 1]]) == []
 
 
-def test_a_failed_slot_is_a_warning_unless_its_student_has_left(caplog) -> None:
+def test_a_failed_slot_is_a_warning_and_a_failure_unless_its_student_has_left(caplog) -> None:
     """A dataset that closes with WORK in flight unlinks its segment; the worker then fails
-    those slots, which is expected: only slots of live students' segments warn."""
+    those slots, which is expected at the end of every run: only slots of live students'
+    segments warn, and only they count as failed (the others as discarded)."""
     live, gone = Connection(b"a", None), Connection(b"b", None)
     work = Work(1, b"w", "r", 3, [_requests(live, "dst_live", [[0, 10], [1, 11]]),
                                   _requests(gone, "dst_gone", [[0, 20]])], 3)
     by_student: dict = {}
     with caplog.at_level(logging.DEBUG, logger="distill.pipeline.broker.dispatch"):
-        _sort_outcomes(work, False, {1: "bad address: x", 2: "bad address: y"}, by_student, {},
-                       LogThrottle(logging.getLogger("distill.pipeline.broker.dispatch")), {"dst_live"})
+        abandoned = _sort_outcomes(work, False, {1: "bad address: x", 2: "bad address: y"}, by_student, {},
+                                   LogThrottle(logging.getLogger("distill.pipeline.broker.dispatch")), {"dst_live"})
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     quiet = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert warned == ["worker failed slot 1 of dst_live: bad address: x"]
     assert quiet == ["worker failed slot 0 of dst_gone, whose student has left: bad address: y"]
     assert by_student == {b"a": [[0, 10, True], [1, 11, False]], b"b": [[0, 20, False]]}
+    assert abandoned == 1
+    state = BrokerState(BrokerConfig())
+    Dispatcher(state)._count_outcomes(None, by_student, {}, 0, abandoned, True)
+    counters = state.counters
+    assert (counters.completed, counters.failed, counters.discarded) == (1, 1, 1)
 
 
 # --------------------------------------------------------------------------- peers and mediums
