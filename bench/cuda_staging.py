@@ -2,7 +2,7 @@
 
 Why: a GPU teacher worker writes each batch's states from device memory into the students'
 shared-memory slots through pinned staging buffers on a side stream
-(``distill.train.transfer.DeviceToSlots``), finishing the copies after it has launched the
+(``distill.teacher.transfer.DeviceToSlots``), finishing the copies after it has launched the
 next batch (the worker's deferred commit). This measures, side by side in one run, for
 samples of ``--size`` (default 4 MiB) made by one GPU op per batch:
 
@@ -39,7 +39,7 @@ import torch
 from children import Children, child_init, run_broker  # bench/children.py
 
 from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient, TensorSpec, Worker
-from distill.train.transfer import DeviceToSlots
+from distill.teacher.transfer import DeviceToSlots
 
 ROW = 1024
 """float32 per row of a sample ([rows, ROW]); the sample is one hidden state of rows tokens."""

@@ -41,8 +41,8 @@ from children import SPAWN, Children, child_init, run_broker  # bench/children.p
 from teacher import HIDDEN, LAYERS, SEED, SEQ_LEN, build_teacher  # bench/teacher.py
 
 from distill.pipeline import SlotTarget, StudentClient, Worker
-from distill.train.stages import Stage, sample_batch_config
-from distill.train.targets import TeacherTargets
+from distill.stages import Stage, sample_batch_config
+from distill.teacher.targets import TeacherTargets
 
 DTYPE = "float32"
 MAX_BATCH = 8

@@ -37,10 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distill.model.teacher import Teacher  # noqa: E402
+from distill.stages import Stage  # noqa: E402
 from distill.train.closed_loop import run_student_layers  # noqa: E402
 from distill.train.joint import JointTraining  # noqa: E402
 from distill.train.losses import layer_loss  # noqa: E402
-from distill.train.stages import Stage  # noqa: E402
 
 TOKENS = 1_000_000
 

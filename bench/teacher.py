@@ -2,7 +2,7 @@
 
 A small Llama teacher (hidden 256, 4 layers, 4 heads, vocab 1024, seq_len 128,
 random weights from a fixed seed, built identically in every process) produces
-per-layer targets with ``distill.train.targets.TeacherTargets``: ONE truncated
+per-layer targets with ``distill.teacher.targets.TeacherTargets``: ONE truncated
 ``Teacher.capture`` per batch, then each sample's boundary hidden states copied
 into its destination. This prints, in one run:
 
@@ -66,8 +66,8 @@ from children import Children, child_init, run_broker  # bench/children.py
 from distill.model.teacher import Teacher
 from distill.pipeline import DistillIterableDataset, StudentClient, Worker
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
-from distill.train.stages import Stage, plan_stages, sample_batch_config
-from distill.train.targets import TeacherTargets
+from distill.stages import Stage, plan_stages, sample_batch_config
+from distill.teacher.targets import TeacherTargets
 
 SEED = 0
 HIDDEN, LAYERS, HEADS, VOCAB, SEQ_LEN = 256, 4, 4, 1024, 128

@@ -10,7 +10,7 @@ from distill.modes.process import configure_logging, exit_on_sigterm
 from distill.modes.stats import stats_command
 from distill.pipeline import Broker
 from distill.pipeline.mediums.shm import sweep_orphans
-from distill.train.transport import broker_kwargs
+from distill.transport import broker_kwargs
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from distill.model.location import model_shape, read_config, teacher_model
 from distill.modes.placement import plan_local, worker_gpus
 from distill.pipeline.auth import AuthError
 from distill.pipeline.mediums.shm import check_shm_space
+from distill.stages import max_positions, stage_layout
 from distill.train.sizing import DTYPE_BYTES, ModelShape, e2e_rank_floor, shm_bytes
-from distill.train.stages import max_positions, stage_layout
 from distill.train.tracking import check_tracking
-from distill.train.transport import curve_config
+from distill.transport import curve_config
 
 MAX_SLEEP_PER_BATCH_S = 60.0
 """Longest synthetic teacher batch (``teacher.sleep_per_batch_s``): beyond it a typo (ms for s)

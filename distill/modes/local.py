@@ -60,7 +60,7 @@ from distill.results.record import add_time_split, read_result
 from distill.results.report_file import TIME_HEADING, replace_section
 from distill.train.checkpoint import checkpoint_dir, hold_checkpoint_dir
 from distill.train.timing import cpu_seconds, format_time_split, read_teacher_times, time_split
-from distill.train.transport import ADD_WORKER_SCRIPT, curve_config, endpoints
+from distill.transport import ADD_WORKER_SCRIPT, curve_config, endpoints
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def run_local(cfg: DictConfig) -> None:
     if placement.worker_gpus or placement.student_gpus:
         log.info("placement: %s", placement.describe())
     socket_dir = _private_socket_dir(run_id)
-    secret = run_secret(Path(socket_dir), run_id)  # the students' leader reads it (train/transport.py)
+    secret = run_secret(Path(socket_dir), run_id)  # the students' leader reads it (transport.py)
     common = _child_overrides(run_id, socket_dir, out)
     student_gpus = [f"device.student_gpus=[{','.join(map(str, placement.student_gpus))}]"] \
         if placement.student_gpus else []

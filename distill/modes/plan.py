@@ -33,9 +33,9 @@ from omegaconf import DictConfig
 
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
+from distill.stages import stage_layout
 from distill.train.modules import build_replacement
 from distill.train.progress import duration, e2e_step_estimate_s
-from distill.train.stages import stage_layout
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from distill.modes.process import configure_logging
 from distill.pipeline.endpoints import runtime_dir
 from distill.pipeline.observe import STATS_TIMEOUT_MS, fetch_stats
 from distill.train.progress import duration
-from distill.train.transport import curve_config, endpoints
+from distill.transport import curve_config, endpoints
 
 log = logging.getLogger(__name__)
 

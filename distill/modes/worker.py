@@ -1,6 +1,6 @@
 """mode=worker: a teacher that fills students' slots with per-layer targets until STOP.
 
-The batch function is :class:`distill.train.targets.TeacherTargets`; this entry point
+The batch function is :class:`distill.teacher.targets.TeacherTargets`; this entry point
 loads the teacher and the data, builds the :class:`~distill.pipeline.Worker` from the
 config and keeps the teacher's busy time on record for the run's time split.
 """
@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 from distill.model.sources import load_chunks, load_tokenizer, load_worker_teacher
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
-from distill.train.stages import stage_layout
-from distill.train.targets import SleepingTeacher, TeacherTargets, sample_seed
-from distill.train.timing import TimedBatchFn, TimingWriter
-from distill.train.transport import worker_kwargs
+from distill.stages import stage_layout
+from distill.teacher.targets import SleepingTeacher, TeacherTargets, sample_seed
+from distill.teacher.timing import TimedBatchFn, TimingWriter
+from distill.transport import worker_kwargs
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from distill.replacements import describe
 from distill.results.card import write_model_card
 from distill.results.record import write_result
 from distill.results.report import read_metrics, write_report
+from distill.stages import hybrid_on
 from distill.train.checkpoint import replacement_option
 from distill.train.context import METRICS_FILE, StudentContext
 from distill.train.e2e import e2e_finished, load_e2e_student
 from distill.train.hybrid import read_choice
 from distill.train.modules import load_stage_replacements
-from distill.train.stages import hybrid_on
 from distill.train.timing import timed
 
 log = logging.getLogger(__name__)

@@ -1,3 +1,4 @@
-"""The training library: stage layout, the stage trainer, closed-loop inputs, the
-end-to-end stage, checkpoints, stopping rules, host/device transfer, timing, and the
-mapping of ``cfg.pipeline`` to the transport. It never imports ``modes`` or ``results``."""
+"""The student's training library: the stage trainer, closed-loop inputs, the end-to-end
+stage, checkpoints, stopping rules, host-to-device transfer and the student's timing. It
+never imports ``modes``, ``results`` or the teacher worker's side (``distill.teacher``);
+what both sides agree on lies below them (``distill.stages``, ``distill.transport``)."""

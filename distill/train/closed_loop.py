@@ -23,8 +23,8 @@ from torch import nn
 
 from distill.config import Inputs
 from distill.model.teacher import Teacher
+from distill.stages import Stage
 from distill.train.context import StudentContext
-from distill.train.stages import Stage
 
 log = logging.getLogger(__name__)
 

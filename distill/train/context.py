@@ -33,10 +33,10 @@ from distill.config import Parallel
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.pipeline import BatchConfig, StudentClient
+from distill.stages import Stage, stage_layout
 from distill.train.checkpoint import checkpoint_dir
-from distill.train.stages import Stage, stage_layout
 from distill.train.tracking import NoTracker, Tracker, open_tracker
-from distill.train.transport import control_client
+from distill.transport import control_client
 
 log = logging.getLogger(__name__)
 

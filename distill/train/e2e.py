@@ -6,7 +6,7 @@ all are spliced in. :class:`E2ETrainer` is a :class:`~distill.train.trainer.Stag
 (same data path, DDP, gradient accumulation, checkpoints and resume) whose model is the
 teacher with every trained replacement spliced in (:class:`E2EStudent`) and whose loss is
 the top-k KL of :func:`topk_kl` (plus an optional final-hidden NMSE term), against the
-targets the workers write (:func:`distill.train.targets.write_e2e_targets`). Its settings
+targets the workers write (:func:`distill.teacher.targets.write_e2e_targets`). Its settings
 come from ``student.e2e``; it validates by held-out perplexity, also before its first step,
 and keeps the weights of its best validation (:class:`~distill.train.validation.BestWeights`),
 so it never ends worse than the layer stages left the student.
@@ -64,6 +64,7 @@ from distill.model.assemble import layer_list_name, splice
 from distill.model.evaluate import metric_kind, perplexity_of
 from distill.model.lora import add_lora, merge_lora
 from distill.model.teacher import Teacher
+from distill.stages import Stage, e2e_stage
 from distill.train import checkpoint as ckpt
 from distill.train.context import (
     StudentContext,
@@ -74,7 +75,6 @@ from distill.train.context import (
 )
 from distill.train.losses import layer_loss
 from distill.train.modules import load_stage_replacements
-from distill.train.stages import Stage, e2e_stage
 from distill.train.trainer import StageTrainer, train_stage
 from distill.train.validation import Validation
 

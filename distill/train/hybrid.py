@@ -38,10 +38,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.config import HybridScore
 from distill.model.evaluate import evaluate, metric_kind, score_student, spliced_alone_kl
+from distill.stages import Stage, layer_stages, scoring_stages
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext, barrier, broadcast_ints
 from distill.train.modules import load_stage_replacements
-from distill.train.stages import Stage, layer_stages, scoring_stages
 from distill.train.trainer import StageTrainer, train_stage
 
 log = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from distill.model.teacher import Teacher
+from distill.stages import Stage
 from distill.train.closed_loop import InputSchedule
 from distill.train.losses import layer_loss
-from distill.train.stages import Stage
 from distill.train.validation import Validation
 
 log = logging.getLogger(__name__)

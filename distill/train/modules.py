@@ -17,9 +17,9 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distill.model.teacher import Teacher
+from distill.stages import Stage
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext
-from distill.train.stages import Stage
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import time
 
+from distill.stages import e2e_stage, hybrid_on
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext
 from distill.train.e2e import e2e_student_config, run_e2e_stage
 from distill.train.hybrid import run_hybrid
 from distill.train.progress import RunProgress, e2e_step_estimate_s
-from distill.train.stages import e2e_stage, hybrid_on
 from distill.train.trainer import StageTrainer, train_stage
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """How big a run is, before it starts: the formulas of docs/scale.md in one place.
 
-What a worker writes per sample is fixed by the stage layout (:mod:`distill.train.stages`):
+What a worker writes per sample is fixed by the stage layout (:mod:`distill.stages`):
 token ids and a few boundary hidden states, plus the teacher's top-k when the end-to-end
 stage is on. Everything that scales with the teacher follows from that and from its
 shape: shared memory per student, bytes over the network medium, what storing the same
@@ -54,7 +54,7 @@ def segment_bytes(sample: int, slots: int) -> int:
 def shm_bytes(sample: int, slot_count: int, loader_workers: int = 0, ranks: int = 1) -> int:
     """/dev/shm the student ranks of one machine allocate: per rank, a segment of
     ``slot_count`` slots per loader process (the training process when there is none), and
-    the one-slot segment of its control client (``distill.train.transport.control_client``)."""
+    the one-slot segment of its control client (``distill.transport.control_client``)."""
     return ranks * (max(1, loader_workers) * segment_bytes(sample, slot_count) + segment_bytes(sample, 1))
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from distill.stages import Stage
 from distill.train import checkpoint as ckpt
 from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
 from distill.train.context import (
@@ -36,7 +37,6 @@ from distill.train.context import (
 from distill.train.joint import JointTraining, JointValidation
 from distill.train.losses import layer_loss
 from distill.train.modules import build_stage_module, load_stage_replacements
-from distill.train.stages import Stage
 from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason, with_budget
 from distill.train.supply import (
     STARVED_FRACTION,
@@ -47,8 +47,8 @@ from distill.train.supply import (
 )
 from distill.train.timing import timed
 from distill.train.transfer import BackgroundBatches, DevicePrefetcher, loader_batches
-from distill.train.transport import ADD_WORKER_SCRIPT, stage_dataset
 from distill.train.validation import BestWeights, LayerValidation, Validation
+from distill.transport import ADD_WORKER_SCRIPT, stage_dataset
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from distill.model.teacher import Teacher
+from distill.stages import Stage
 from distill.train.closed_loop import run_student_layers
 from distill.train.losses import layer_loss
-from distill.train.stages import Stage
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import pytest
 from distill.errors import BrokerNotFound
 from distill.modes import stats
 from distill.pipeline import Broker
-from distill.train.transport import endpoints as config_endpoints
+from distill.transport import endpoints as config_endpoints
 from tests.unit.test_config import _compose
 
 pytestmark = pytest.mark.timeout(120)

@@ -2,8 +2,11 @@
 documented lazy ones.
 
 Layers, top to bottom (a module imports its own subpackage and the layers below it):
-``distill`` / ``distill.__main__`` -> ``modes`` -> ``results`` -> ``train`` ->
-``replacements`` -> ``model`` -> ``config`` -> ``pipeline`` (which imports nothing of the app).
+``distill`` / ``distill.__main__`` -> ``modes`` -> ``results`` -> ``train`` | ``teacher`` ->
+``stages`` | ``transport`` -> ``replacements`` -> ``model`` -> ``config`` -> ``pipeline`` (which
+imports nothing of the app). Parts on one layer (``a | b``) import neither each other: the
+student's library (``train``) and the teacher worker's (``teacher``) share only what lies below
+them, the stage layout first.
 Every import statement counts, at module level, inside functions or under TYPE_CHECKING.
 """
 
@@ -14,9 +17,9 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).parents[2] / "distill"
 
-RANKS = {"distill": 8, "distill.__main__": 8, "distill.modes": 6, "distill.results": 5, "distill.train": 4,
-         "distill.replacements": 3, "distill.model": 2, "distill.config": 1, "distill.errors": 1,
-         "distill.pipeline": 0}
+RANKS = {"distill": 8, "distill.__main__": 8, "distill.modes": 7, "distill.results": 6, "distill.train": 5,
+         "distill.teacher": 5, "distill.stages": 4, "distill.transport": 4, "distill.replacements": 3,
+         "distill.model": 2, "distill.config": 1, "distill.errors": 1, "distill.pipeline": 0}
 """The layer of each top-level part of the package; higher may import lower, never the reverse."""
 
 LAZY_IMPORTS = {

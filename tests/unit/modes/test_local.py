@@ -25,7 +25,7 @@ from distill.modes import local
 from distill.pipeline import protocol
 from distill.pipeline.observe import send_stop
 from distill.pipeline.protocol import Command
-from distill.train.transport import control_client
+from distill.transport import control_client
 from tests import peers
 from tests.unit.test_config import _compose
 

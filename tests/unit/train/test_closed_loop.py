@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from distill.replacements.mlp import ResidualMLP
+from distill.stages import Stage
 from distill.train.closed_loop import ClosedLoopInputs, run_student_layers, student_fraction
-from distill.train.stages import Stage
 from tests.tiny_teachers import tiny_llama
 
 
@@ -64,8 +64,8 @@ def test_worker_sends_the_embeddings_for_a_closed_loop_stage() -> None:
     from distill.model.data import sample_indices
     from distill.pipeline.slot import HEADER_BYTES, slot_stride
     from distill.pipeline.worker import SlotTarget
-    from distill.train.stages import sample_batch_config
-    from distill.train.targets import TeacherTargets
+    from distill.stages import sample_batch_config
+    from distill.teacher.targets import TeacherTargets
 
     teacher = tiny_llama(vocab_size=50, num_layers=3)
     train_NT = torch.randint(0, 50, (10, 8))

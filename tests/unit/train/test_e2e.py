@@ -11,9 +11,9 @@ from distill.model.teacher import Teacher
 from distill.pipeline.slot import HEADER_BYTES, slot_stride
 from distill.pipeline.worker import SlotTarget
 from distill.replacements.mlp import ResidualMLP
+from distill.stages import sample_batch_config
+from distill.teacher.targets import write_e2e_targets
 from distill.train.e2e import E2EStudent, chunked_topk_kl, topk_kl
-from distill.train.stages import sample_batch_config
-from distill.train.targets import write_e2e_targets
 from tests.tiny_teachers import tiny_bert, tiny_llama
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from distill.replacements.mlp import ResidualMLP
+from distill.stages import Stage, layer_stages, stage_layout
 from distill.train.joint import ChainStep, JointTraining, JointValidation, run_chain
 from distill.train.losses import layer_loss
-from distill.train.stages import Stage, layer_stages, stage_layout
 from distill.train.validation import LayerValidation
 from tests.tiny_teachers import tiny_bert, tiny_llama
 from tests.unit.test_config import _compose

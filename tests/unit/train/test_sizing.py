@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.pipeline.mediums.shm import SharedMemoryManager
 from distill.pipeline.slot import slot_stride
+from distill.stages import max_positions, stage_layout
 from distill.train.sizing import (
     ModelShape,
     disk_bytes,
@@ -20,7 +21,6 @@ from distill.train.sizing import (
     shm_bytes,
     state_bytes_per_token,
 )
-from distill.train.stages import max_positions, stage_layout
 from tests.unit.test_config import _compose
 
 LLAMA_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,

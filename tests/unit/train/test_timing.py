@@ -10,17 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill.teacher.timing import TimedBatchFn, TimingWriter
+from distill.teacher.transfer import DeviceToSlots
 from distill.train.supply import Slots, WorkersSeen, data_supply, teacher_bound_advice
 from distill.train.timing import (
     STUDENT_PHASES,
-    TimedBatchFn,
-    TimingWriter,
     format_time_split,
     read_teacher_times,
     time_split,
     timed,
 )
-from distill.train.transfer import DeviceToSlots
 
 
 def test_data_supply_says_how_short_the_teachers_were() -> None:

@@ -18,13 +18,13 @@ from omegaconf import DictConfig
 from distill.pipeline import Broker, Worker
 from distill.pipeline.mediums.shm import list_segments
 from distill.replacements.teacher_copy import TeacherCopy
+from distill.stages import stage_layout
+from distill.teacher.targets import TeacherTargets
 from distill.train import checkpoint as ckpt
 from distill.train.context import METRICS_FILE, StudentContext
 from distill.train.modules import StageModule
-from distill.train.stages import stage_layout
-from distill.train.targets import TeacherTargets
 from distill.train.trainer import StageTrainer, cosine_lr, layer_loss, train_stage
-from distill.train.transport import broker_kwargs, control_client, worker_kwargs
+from distill.transport import broker_kwargs, control_client, worker_kwargs
 from tests.tiny_teachers import tiny_llama
 from tests.unit.test_config import _compose
 

@@ -16,12 +16,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from distill.pipeline import BatchConfig, DistillIterableDataset, TensorSpec
-from distill.train.transfer import (
-    BackgroundBatches,
-    DevicePrefetcher,
-    DeviceToSlots,
-    loader_batches,
-)
+from distill.teacher.transfer import DeviceToSlots
+from distill.train.transfer import BackgroundBatches, DevicePrefetcher, loader_batches
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

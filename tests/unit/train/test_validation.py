@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from distill.replacements.mlp import ResidualMLP
+from distill.stages import Stage
 from distill.train.losses import layer_loss
 from distill.train.modules import StageModule
-from distill.train.stages import Stage
 from distill.train.validation import BestWeights, LayerValidation, Validation
 from tests.tiny_teachers import tiny_llama
 

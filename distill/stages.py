@@ -13,7 +13,7 @@ carries position 0, the embeddings, from which the student runs its own trained
 replacements to build each layer's input. When the end-to-end stage is on, every sample
 has room for the teacher's top-k next-token log-probabilities (``topk_logp`` and
 ``topk_idx``, [T, k]; not for an encoder, which has none); that stage writes the
-teacher's final hidden state into ``hidden[0]`` (see :mod:`distill.train.targets`).
+teacher's final hidden state into ``hidden[0]`` (see :mod:`distill.teacher.targets`).
 
 :func:`stage_layout` is the one place that turns a config and a teacher's shape into the
 stages and the sample layout: the start-up checks, the workers and the students all call

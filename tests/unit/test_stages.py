@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from distill.train.stages import (
+from distill.stages import (
     Stage,
     closed_loop,
     e2e_stage,

@@ -18,8 +18,8 @@ from distill.model.data import sample_indices
 from distill.model.teacher import Teacher, teacher_device_map
 from distill.pipeline.slot import HEADER_BYTES, slot_stride
 from distill.pipeline.worker import SlotTarget
-from distill.train.stages import Stage, sample_batch_config
-from distill.train.targets import SleepingTeacher, TeacherTargets, write_e2e_targets
+from distill.stages import Stage, sample_batch_config
+from distill.teacher.targets import SleepingTeacher, TeacherTargets, write_e2e_targets
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -58,7 +58,7 @@ def test_the_student_seed_changes_the_sample_order_and_seed_0_keeps_the_data_see
     from omegaconf import OmegaConf
 
     from distill.model.data import sample_indices
-    from distill.train.targets import sample_seed
+    from distill.teacher.targets import sample_seed
 
     def order(data_seed: int, student_seed: int) -> list[int]:
         cfg = OmegaConf.create({"data": {"seed": data_seed}, "student": {"seed": student_seed}})

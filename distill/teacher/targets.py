@@ -5,7 +5,7 @@ chunk; the worker runs ONE batched forward over all chunks of the WORK it holds,
 stopping after the last target layer, and copies each sample's boundary hidden
 states straight into its slot (one copy, no intermediate bytes). On CUDA the
 device-to-host copies go through pinned staging buffers on a side stream and are
-finished by the worker after it has started the next forward (``distill.train.transfer``).
+finished by the worker after it has started the next forward (``distill.teacher.transfer``).
 
 For the end-to-end stage (:func:`write_e2e_targets`) it runs one full forward and writes,
 per sample, the top-k log-probabilities ``log_softmax(logits)`` with their token ids
@@ -27,8 +27,8 @@ from omegaconf import DictConfig
 from distill.model.data import sample_indices
 from distill.model.teacher import Teacher
 from distill.pipeline import SlotTarget
-from distill.train.stages import Stage
-from distill.train.transfer import DeviceToSlots
+from distill.stages import Stage
+from distill.teacher.transfer import DeviceToSlots
 
 log = logging.getLogger(__name__)
 
