@@ -26,7 +26,7 @@ from distill.model.sources import load_tokenizer
 from distill.model.teacher import Teacher
 from distill.replacements import describe
 from distill.results.card import write_model_card
-from distill.results.record import write_result
+from distill.results.record import RunRecord, write_result
 from distill.results.report import read_metrics, write_report
 from distill.stages import hybrid_on
 from distill.train.checkpoint import replacement_option
@@ -90,19 +90,24 @@ def finish_run(ctx: StudentContext) -> None:
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
     summary.update(restored_stages(metrics, [list(s.layers) for s in ctx.stages if s.kind == "layers"],
                                    ctx.checkpoint_dir))
-    report = write_report(str(ctx.out_dir), metrics, result.to_dict() if result else {}, rows, summary,
-                          ctx.timings, hybrid=hybrid, decode=decode)
-    write_result(ctx.out_dir, {
-        "summary": summary, "eval": result.to_dict() if result else None, "decode": decode,
-        "layers": {str(k): v for k, v in rows.items()}, "timings": ctx.timings,
-        "final_val": _final_val(metrics), **({"hybrid": hybrid} if hybrid is not None else {})})
-    write_model_card(out, {
-        "teacher": summary["teacher_source"], "causal": teacher.causal and metric_kind(teacher) == "lm",
-        "layers": cfgs, "num_layers": teacher.num_layers, "describe": rows,
-        "data": OmegaConf.to_container(cfg.data, resolve=True), "train_tokens": summary["train_tokens"],
-        "eval": result.to_dict() if result else None, "decode": decode})
+    record = RunRecord(summary=summary, layers=rows, layer_cfgs=cfgs, num_layers=teacher.num_layers,
+                       causal=teacher.causal and metric_kind(teacher) == "lm",
+                       data=OmegaConf.to_container(cfg.data, resolve=True),
+                       eval=result.to_dict() if result else None, decode=decode, timings=ctx.timings,
+                       final_val=_final_val(metrics), hybrid=hybrid)
+    report = render_run(record, str(ctx.out_dir), out, metrics)
     ctx.log_metrics(eval_record(result, decode, ctx.timings))  # after the report read metrics.jsonl
     log.info("report written to %s", report)
+
+
+def render_run(record: RunRecord, run_dir: str, student_dir: str, metrics: list[dict]) -> str:
+    """``report.md`` (with ``losses.png``, from ``metrics`` too), ``result.json`` and the
+    student's model card, all from ``record``; returns the report's path."""
+    report = write_report(run_dir, metrics, record.eval or {}, record.layers, record.summary, record.timings,
+                          hybrid=record.hybrid, decode=record.decode)
+    write_result(run_dir, record.result_json())
+    write_model_card(student_dir, record.card_facts())
+    return report
 
 
 SUPERVISOR_KEYS = ("hydra.", "mode=", "run_id=", "pipeline.socket_dir=", "pipeline.broker_pid=",
