@@ -1,4 +1,4 @@
-"""distill.pipeline: the data-agnostic streaming transport (broker, workers, students).
+"""distill.pipeline: the data-agnostic streaming transport (broker/, worker/, student/).
 
 The public API of the seed README: change ``from softs import ...`` to
 ``from distill.pipeline import ...`` and its examples run. This package imports
@@ -9,14 +9,20 @@ import logging
 
 from distill.pipeline.batch import DTYPES, BatchConfig, TensorSpec
 from distill.pipeline.broker import Broker, BrokerConfig
-from distill.pipeline.client import SampleRef, StudentClient, StudentClientConfig
-from distill.pipeline.dataset import DatasetConfig, DistillIterableDataset
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import BrokerRefusal
 from distill.pipeline.mediums import Medium, MediumBase, SharedMemoryManager, ShmSpaceError
-from distill.pipeline.pool import PoolConfig, SlotPool
 from distill.pipeline.protocol import PROTOCOL_VERSION, Command, ProtocolError
 from distill.pipeline.stats import BrokerStats
+from distill.pipeline.student import (
+    DatasetConfig,
+    DistillIterableDataset,
+    PoolConfig,
+    SampleRef,
+    SlotPool,
+    StudentClient,
+    StudentClientConfig,
+)
 from distill.pipeline.worker import SlotTarget, Worker, WorkerConfig
 
 __all__ = [

@@ -92,7 +92,7 @@ Replies are bounded (``broker/service.py``): no small request buys a large answe
 WELCOME carries the run's ``model_cfg`` once per connection and model: it always says the
 cfg's ``model_digest`` (:func:`cfg_digest`), and leaves the cfg itself out when this
 connection was already sent the cfg of that digest for the run (the client keeps its copy,
-``pool.py``). STATS_REPLY names at most STATS_TOP_RUNS runs in ``per_run`` (the busiest,
+``student/pool.py``). STATS_REPLY names at most STATS_TOP_RUNS runs in ``per_run`` (the busiest,
 plus the run STATS.run_id names; ``runs`` counts them all), from a snapshot rebuilt at most
 so often. The broker queues at most BROKER_REPLY_HWM unread replies per student or leader
 connection; a reply that does not fit is dropped (STATS ``dropped_replies``) and the

@@ -29,7 +29,7 @@ from distill.pipeline import Broker, SlotPool, StudentClient, protocol
 from distill.pipeline.auth import CurveConfig, create_keys
 from distill.pipeline.mediums.tcp import TcpSender, parse_medium
 from distill.pipeline.slot import SLOT_MAGIC, SLOT_VERSION, slot_stride
-from distill.pipeline.slots import SlotState
+from distill.pipeline.student.slots import SlotState
 from tests import peers
 from tests.procfs import rss_bytes
 

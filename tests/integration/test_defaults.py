@@ -2,7 +2,7 @@
 README worker (``generator_fn``, every default) as processes, the README's student
 (``StudentClient(slot_count=16)`` + ``DistillIterableDataset(slot_count=8)``, one sample
 per item). Small samples are copied out a chunk at a time; large ones are lent as views
-of their slots (``loans.py``): a lent sample must never change while it is held, a
+of their slots (``student/loans.py``): a lent sample must never change while it is held, a
 consumer that keeps more samples than the pool has slots must still get them all, and
 the DataLoader's batching must work on top. Figures: ``bench/pipeline.py --defaults``."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distill.pipeline import DistillIterableDataset, StudentClient
-from distill.pipeline.loans import LEND_MIN_BYTES
+from distill.pipeline.student.loans import LEND_MIN_BYTES
 from tests import peers
 
 pytestmark = pytest.mark.timeout(90)

@@ -28,7 +28,7 @@ import pytest
 from distill.pipeline import Broker, StudentClient, Worker
 from distill.pipeline.broker.config import WORK_TIMEOUT_MIN_BEATS
 from distill.pipeline.liveness import process_token
-from distill.pipeline.slots import Route, SlotState
+from distill.pipeline.student.slots import Route, SlotState
 from tests import peers
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,7 +109,7 @@ def test_a_worker_that_hangs_serving_direct_requests_is_given_up_on(procs, endpo
         # WORK it may hold too (a slot the student asked again through the broker while the
         # lane was silent can reach it: before any deadline a hung worker is only a loaded
         # one), whichever fires first (about half the runs each here). The stall alone is
-        # tested on the broker's records in tests/unit/pipeline/test_deadline.py.
+        # tested on the broker's records in tests/unit/pipeline/broker/test_deadline.py.
         assert stats.workers == 1 and stats.quarantined <= 2, stats
         assert any(("has finished no batch" in m and "direct slot(s)" in m) or "as if it were silent" in m
                    for m in messages), messages

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker
-from distill.pipeline import delivery as delivery_module
-from distill.pipeline.slots import SlotState
+from distill.pipeline.student import delivery as delivery_module
+from distill.pipeline.student.slots import SlotState
 from tests import peers
 
 

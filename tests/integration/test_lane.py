@@ -14,7 +14,7 @@ import pytest
 from distill.pipeline import Broker, StudentClient, Worker
 from distill.pipeline.liveness import process_token
 from distill.pipeline.notices import lane_path
-from distill.pipeline.slots import Route, SlotState
+from distill.pipeline.student.slots import Route, SlotState
 from tests import peers
 
 pytestmark = pytest.mark.timeout(120)

@@ -27,7 +27,7 @@ from distill.pipeline.notices import (
     sweep_inboxes,
 )
 from distill.pipeline.protocol import Command
-from distill.pipeline.slots import SlotState
+from distill.pipeline.student.slots import SlotState
 from tests import peers
 
 pytestmark = pytest.mark.timeout(120)

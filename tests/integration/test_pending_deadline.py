@@ -62,7 +62,7 @@ def test_a_notice_that_never_comes_is_asked_again_at_the_deadline(procs, endpoin
     liar = _lying_worker(endpoints)
     try:
         with _client(endpoints, slot_count=2, pending_deadline_s=DEADLINE_S) as client, \
-                caplog.at_level(logging.WARNING, logger="distill.pipeline.pool"):
+                caplog.at_level(logging.WARNING, logger="distill.pipeline.student.pool"):
             client.hello()
             generation = client.set_model("m")
             assert client.request_sample(timeout_ms=100) is None  # both slots went to the liar

@@ -9,7 +9,7 @@ the shared-memory medium.
 - A process forked from an owner that exits normally leaves the owner's segment alone.
 - (Issue 37, item 5.) Files planted under the names a student's segment would take
   cannot stop it from starting: its names carry a random part, and a name found taken
-  is given up for another (``tests/unit/pipeline/test_shm.py`` tests that retry).
+  is given up for another (``tests/unit/pipeline/mediums/test_shm.py`` tests that retry).
 
 The planted entries exist only around the sweep that must skip them (other processes
 of this user sweep /dev/shm too), and a FIFO's readers are released before it goes.

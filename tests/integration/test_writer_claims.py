@@ -25,7 +25,7 @@ import torch
 
 from distill.pipeline import Broker, StudentClient
 from distill.pipeline.slot import read_claim
-from distill.pipeline.slots import SlotState
+from distill.pipeline.student.slots import SlotState
 from tests import peers
 
 

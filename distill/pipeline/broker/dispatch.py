@@ -11,7 +11,7 @@ A run's slots are spread over the workers that can take them (``spread``): a wor
 gets at most its fair part of what the run has queued and in flight with us, so a
 student's first request, sent when every worker is idle, is split among all of them.
 Sent whole to the first, that worker would fill every slot, and the slot's lane
-(``custody.py``: a filled slot goes back straight to its filler) would keep the
+(``student/custody.py``: a filled slot goes back straight to its filler) would keep the
 others idle; split, each worker fills a share and keeps it while it keeps up.
 
 A request carries no generation of its own beyond "at least this one": the broker

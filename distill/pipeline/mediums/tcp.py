@@ -18,7 +18,7 @@ generation, request id, length, checksum), as for shared memory.
 
 DATA and the broker's COMPLETE travel on different connections, so either can
 arrive first: a COMPLETE whose data is not there yet leaves the slot *awaiting*
-(see ``client.py``), not refused.
+(see ``student/client.py``), not refused.
 
 Who may send DATA. Every data socket authenticates its peers (ZeroMQ's ZAP handler, in
 the student's process) with a random 32-byte *data key* the student draws for each
@@ -33,7 +33,7 @@ network in clear (CurveZMQ encrypts the broker's sockets). Without CurveZMQ it i
 ZeroMQ PLAIN server whose password is the data key: strangers are shut out at no cost
 per byte, but like everything on the broker's sockets the key then travels in clear
 (keep such a cluster on its private network). The key never appears in a log line:
-:func:`medium_label` is the name without it. Request ids are random (``slots.py``), so
+:func:`medium_label` is the name without it. Request ids are random (``student/slots.py``), so
 no one can guess what a slot waits for.
 """
 

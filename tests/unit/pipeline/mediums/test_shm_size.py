@@ -14,9 +14,9 @@ import pytest
 
 from distill.pipeline import BatchConfig, TensorSpec
 from distill.pipeline.mediums.shm import SHM_DIR, list_segments
-from distill.pipeline.pool import SlotPool
 from distill.pipeline.slot import HEADER_BYTES, SLOT_ALIGN, segment_bytes, slot_stride
-from distill.train.stages import sample_batch_config
+from distill.pipeline.student.pool import SlotPool
+from distill.stages import sample_batch_config
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -2,7 +2,7 @@
 worker of a DistillIterableDataset): one medium cut into slots, one socket to the
 broker's frontend, and the bookkeeping that makes delivery exact.
 
-Each slot is one record of a :class:`~distill.pipeline.slots.SlotTable` (its states and
+Each slot is one record of a :class:`~distill.pipeline.student.slots.SlotTable` (its states and
 moves are drawn there). The pool asks for fills and routes what comes back; two parts
 of it decide about what comes back:
 
@@ -42,8 +42,6 @@ import zmq
 from distill.pipeline import protocol
 from distill.pipeline.auth import ClientKeys, CurveConfig, secure_client
 from distill.pipeline.batch import BatchConfig
-from distill.pipeline.custody import Custody
-from distill.pipeline.delivery import Delivery
 from distill.pipeline.liveness import (
     BROKER_SILENCE_S,
     BROKER_WAIT_S,
@@ -60,7 +58,9 @@ from distill.pipeline.notices import NoticeInbox, encode_datagram
 from distill.pipeline.protocol import DEFAULT_RUN, Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, slot_stride
-from distill.pipeline.slots import PENDING, Route, SlotRecord, SlotTable
+from distill.pipeline.student.custody import Custody
+from distill.pipeline.student.delivery import Delivery
+from distill.pipeline.student.slots import PENDING, Route, SlotRecord, SlotTable
 from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -548,7 +548,7 @@ class SlotPool:
         return view, {name: tensor.detach() for name, tensor in tensors.items()}
 
     def payload_view(self, slot_idx: int) -> memoryview:
-        """The payload bytes of a slot (what :class:`~distill.pipeline.loans.SlotLoans` lends)."""
+        """The payload bytes of a slot (what :class:`~distill.pipeline.student.loans.SlotLoans` lends)."""
         return self.medium.slot_view(slot_idx)[HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
 
     def fill_number(self, slot_idx: int) -> int:

@@ -1,6 +1,6 @@
 """The student of the seed README: owns slots, switches models (leader), follows (others).
 
-:class:`StudentClient` is one :class:`~distill.pipeline.pool.SlotPool` (its slots and its
+:class:`StudentClient` is one :class:`~distill.pipeline.student.pool.SlotPool` (its slots and its
 socket to the broker's frontend) plus the control path: the leader (rank 0) switches
 the run's model with SET_MODEL and puts it back on a restarted broker; other ranks
 follow the broker's MODEL broadcasts. The client's ``generation_value`` (shared with
@@ -44,10 +44,10 @@ from distill.pipeline.liveness import (
     HEARTBEAT_LIVENESS,
     BrokerRefusal,
 )
-from distill.pipeline.pool import PoolConfig, SlotPool
 from distill.pipeline.protocol import DEFAULT_RUN, Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.sizing import chosen_slots
+from distill.pipeline.student.pool import PoolConfig, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class StudentClientConfig:
     notice_dir: str | os.PathLike | None = None
     direct_requests: bool = True
     pending_deadline_s: float | None = None
-    """See :class:`~distill.pipeline.pool.PoolConfig`."""
+    """See :class:`~distill.pipeline.student.pool.PoolConfig`."""
     broker_pid: int | None = None
     """The broker's process on this machine (mode=local sets it): HELLO, SET_MODEL and STOP
     wait while it runs and fail once it has exited (see ``PoolConfig``)."""

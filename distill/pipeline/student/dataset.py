@@ -60,11 +60,11 @@ from distill.pipeline.auth import CurveConfig
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
-from distill.pipeline.loans import LEND_MIN_BYTES, SlotLoans
-from distill.pipeline.pool import PoolConfig, SlotPool
 from distill.pipeline.protocol import DEFAULT_RUN
 from distill.pipeline.settings import merge
 from distill.pipeline.sizing import check_given_slots, chosen_slots
+from distill.pipeline.student.loans import LEND_MIN_BYTES, SlotLoans
+from distill.pipeline.student.pool import PoolConfig, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class DatasetConfig:
     direct_requests: bool = True
     """Ask a slot's last local worker to fill it again, past the broker (needs ``notices``)."""
     pending_deadline_s: float | None = None
-    """See :class:`~distill.pipeline.pool.PoolConfig`."""
+    """See :class:`~distill.pipeline.student.pool.PoolConfig`."""
 
     def __post_init__(self) -> None:
         missing = [name for name in ("student_rank", "batch_config") if getattr(self, name) is None]

@@ -1,6 +1,6 @@
 """A consumer's slots: one record per slot, moved by an explicit state machine.
 
-Every slot of a :class:`~distill.pipeline.pool.SlotPool` is exactly one
+Every slot of a :class:`~distill.pipeline.student.pool.SlotPool` is exactly one
 :class:`SlotRecord`, and its :class:`SlotState` says who may touch it::
 
     FREE --ask--> PENDING --accept--> READY --take--> OUT --ask--> PENDING ...

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from distill.pipeline import Broker, DatasetConfig, DistillIterableDataset, StudentClient, Worker
-from distill.pipeline import dataset as dataset_module
-from distill.pipeline.dataset import META_KEYS
+from distill.pipeline.student import dataset as dataset_module
+from distill.pipeline.student.dataset import META_KEYS
 from tests import peers
 
 
@@ -89,7 +89,7 @@ def test_waiting_for_samples_names_the_broker_and_its_workers(
             dataset = DistillIterableDataset(0, client.generation_value, 4, peers.batch_config(),
                                              endpoints["frontend"], batch_size=2, timeout_s=2,
                                              heartbeat_interval_s=0.1)
-            with caplog.at_level(logging.WARNING, logger="distill.pipeline.dataset"), \
+            with caplog.at_level(logging.WARNING, logger="distill.pipeline.student.dataset"), \
                     pytest.raises(TimeoutError, match="no sample for 2s"):
                 next(iter(dataset))
     finally:

@@ -14,12 +14,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim, read_header
-from distill.pipeline.slots import AWAITING, PENDING, SlotRecord
+from distill.pipeline.student.slots import AWAITING, PENDING, SlotRecord
 from distill.pipeline.throttle import LogThrottle
+
+if TYPE_CHECKING:
+    import zmq
+
+    from distill.pipeline.mediums.shm import SharedMemoryManager
+    from distill.pipeline.mediums.tcp import TcpMedium
+    from distill.pipeline.slot import HeaderTable
+    from distill.pipeline.student.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +44,48 @@ LATENCY_WEIGHT = 0.1
 """Weight of each new fill time in the moving average of fill times."""
 
 
+class LaneCustody(Protocol):
+    """What a :class:`Delivery` asks of its pool's custody (``custody.py``, which imports us)."""
+
+    def lane_answered(self, process: str | int | None, now: float, *, measure: bool = True) -> None: ...
+
+    def settle_late(self, slot: int, req: int) -> bool: ...
+
+
+class DeliveryPool(Protocol):
+    """What a :class:`Delivery` uses of the :class:`~distill.pipeline.student.pool.SlotPool`
+    that holds it: ``pool.py`` imports this module, so the pool is named by its parts."""
+
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def payload_bytes(self) -> int: ...
+    @property
+    def direct_requests(self) -> bool: ...
+    @property
+    def counts(self) -> dict[str, int]: ...
+    @property
+    def slots(self) -> SlotTable: ...
+    @property
+    def headers(self) -> HeaderTable: ...
+    @property
+    def medium(self) -> SharedMemoryManager: ...
+    @property
+    def data_socket(self) -> zmq.Socket | None: ...
+    @property
+    def custody(self) -> LaneCustody: ...
+
+    def ask(self, slots: list[int]) -> None: ...
+
+    def ask_again(self, record: SlotRecord, *, keep_request: bool = False) -> None: ...
+
+    def unsend(self, record: SlotRecord) -> None: ...
+
+
 class Delivery:
     """The accepting side of one pool (see module docstring)."""
 
-    def __init__(self, pool: Any) -> None:  # the SlotPool that holds this (pool.py imports us)
+    def __init__(self, pool: DeliveryPool) -> None:
         self.pool = pool
         self.latency_s: float | None = None
         """Typical time from asking for a slot to accepting it (a moving average)."""
@@ -201,7 +247,8 @@ class Delivery:
     def receive_data(self) -> None:
         """Copy arrived DATA into the slots that wait for it; check those already completed."""
         pool = self.pool
-        for slot in pool.medium.receive(self.expected_request):
+        medium = cast("TcpMedium", pool.medium)  # a data socket is a network medium's
+        for slot in medium.receive(self.expected_request):
             record = pool.slots.records[slot]
             if record.state is AWAITING:
                 self.refuse(record, record.generation, notice=False)

@@ -32,13 +32,19 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from distill.pipeline.delivery import BACKOFF_MAX_S
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim
-from distill.pipeline.slots import PENDING, QUARANTINED, Route, SlotRecord
+from distill.pipeline.student.delivery import BACKOFF_MAX_S, Delivery
+from distill.pipeline.student.slots import PENDING, QUARANTINED, Route, SlotRecord
 from distill.pipeline.throttle import LogThrottle
+
+if TYPE_CHECKING:
+    from distill.pipeline.liveness import Heartbeater
+    from distill.pipeline.mediums.shm import SharedMemoryManager
+    from distill.pipeline.slot import HeaderTable
+    from distill.pipeline.student.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +96,53 @@ class LaneClock:
         return max(self.busy_since, self.last_answer)
 
 
+class DeadlineSetting(Protocol):
+    """What a :class:`Custody` reads of its pool's ``PoolConfig``."""
+
+    @property
+    def pending_deadline_s(self) -> float | None: ...
+
+
+class CustodyPool(Protocol):
+    """What a :class:`Custody` uses of the :class:`~distill.pipeline.student.pool.SlotPool`
+    that holds it: ``pool.py`` imports this module, so the pool is named by its parts."""
+
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def payload_bytes(self) -> int: ...
+    @property
+    def config(self) -> DeadlineSetting: ...
+    @property
+    def counts(self) -> dict[str, int]: ...
+    @property
+    def slots(self) -> SlotTable: ...
+    @property
+    def headers(self) -> HeaderTable: ...
+    @property
+    def medium(self) -> SharedMemoryManager: ...
+    @property
+    def heart(self) -> Heartbeater: ...
+    @property
+    def delivery(self) -> Delivery: ...
+
+    def note_generation(self, generation: int) -> None: ...
+
+    def ask(self, slots: list[int]) -> None: ...
+
+    def ask_again(self, record: SlotRecord, *, keep_request: bool = False) -> None: ...
+
+    def unsend(self, record: SlotRecord) -> None: ...
+
+    def resend(self, record: SlotRecord) -> None: ...
+
+    def reissue_now(self) -> None: ...
+
+
 class Custody:
     """The waiting side of one pool (see module docstring)."""
 
-    def __init__(self, pool: Any) -> None:  # the SlotPool that holds this (pool.py imports us)
+    def __init__(self, pool: CustodyPool) -> None:
         self.pool = pool
         self.share = 0
         """The fair share last written into the segment header (``max_claims``)."""

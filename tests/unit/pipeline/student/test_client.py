@@ -15,7 +15,7 @@ import pytest
 from distill.pipeline import Broker, PoolConfig, SlotPool, StudentClient, StudentClientConfig
 from distill.pipeline.notices import encode_notice
 from distill.pipeline.slot import read_claim
-from distill.pipeline.slots import SlotState
+from distill.pipeline.student.slots import SlotState
 from tests import peers
 
 

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from distill.pipeline import BatchConfig, TensorSpec
-from distill.pipeline.loans import SlotLoans
+from distill.pipeline.student.loans import SlotLoans
 
 CONFIG = BatchConfig([TensorSpec("h", (2, 3), "bfloat16"), TensorSpec("n", (4,), "int64"),
                       TensorSpec("none", (0,), "float32")])

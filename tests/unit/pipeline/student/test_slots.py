@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from distill.pipeline.slots import (
+from distill.pipeline.student.slots import (
     FREE,
     OUT,
     PENDING,
