@@ -16,13 +16,14 @@ read as before.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).parent / "conf"
 
@@ -542,3 +543,28 @@ def register_configs() -> None:
     cs.store(group="device", name="device_schema", node=DeviceConfig)
     cs.store(group="student", name="student_schema", node=StudentConfig)
     cs.store(group="tracking", name="tracking_schema", node=TrackingConfig)
+
+
+def typed_config(cfg: DictConfig) -> Config:
+    """The composed and checked config as the schema's own dataclasses: what every function
+    below ``distill.modes`` receives (``OmegaConf.to_object``; interpolations resolved).
+
+    Why: a function that takes ``Config`` says which keys it reads and a type checker follows
+    them; a ``DictConfig`` hides both. The ``replacement`` node, whose keys depend on the
+    option, becomes a plain dict, which ``hydra.utils.instantiate`` takes as it is."""
+    return OmegaConf.to_object(cfg)
+
+
+def plain(node: Any, *, enums_as_str: bool = False) -> Any:
+    """A JSON-ready copy of a config node (a schema dataclass, dict or list), as
+    ``OmegaConf.to_container`` gave it: enum members kept (``StrEnum`` serialises as its
+    value), or their values with ``enums_as_str``. Checkpoint fingerprints hash this."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return {f.name: plain(getattr(node, f.name), enums_as_str=enums_as_str) for f in dataclasses.fields(node)}
+    if isinstance(node, dict):
+        return {key: plain(value, enums_as_str=enums_as_str) for key, value in node.items()}
+    if isinstance(node, list | tuple):
+        return [plain(value, enums_as_str=enums_as_str) for value in node]
+    if enums_as_str and isinstance(node, Enum):
+        return node.value
+    return node

@@ -23,11 +23,8 @@ it, so they can never disagree about what a slot holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from omegaconf import DictConfig
-
-from distill.config import Family, Inputs, Schedule
+from distill.config import Config, Family, Inputs, Schedule, StudentConfig
 from distill.model.location import has_lm_head, teacher_model
 from distill.pipeline import BatchConfig, TensorSpec
 
@@ -124,12 +121,12 @@ def sample_batch_config(num_positions: int, seq_len: int, hidden_size: int, dtyp
     return BatchConfig(specs)
 
 
-def closed_loop(student_cfg: Any) -> bool:
+def closed_loop(student_cfg: StudentConfig) -> bool:
     """Whether layer stages feed replacements student-built inputs (``student.inputs``)."""
     return student_cfg.inputs != Inputs.teacher
 
 
-def teacher_is_lm(cfg: DictConfig) -> bool:
+def teacher_is_lm(cfg: Config) -> bool:
     """Whether the configured teacher predicts tokens (has an LM head), from its config alone."""
     model = teacher_model(cfg)
     if model is None:
@@ -137,7 +134,7 @@ def teacher_is_lm(cfg: DictConfig) -> bool:
     return has_lm_head(model)
 
 
-def e2e_top_k(cfg: DictConfig) -> int:
+def e2e_top_k(cfg: Config) -> int:
     """Log-probabilities per token a sample must hold: 0 unless the end-to-end stage is on
     (for a teacher with an LM head; an encoder's end-to-end stage needs only its final state)."""
     return int(cfg.student.e2e.top_k) if cfg.student.e2e.steps > 0 and teacher_is_lm(cfg) else 0
@@ -149,18 +146,18 @@ def e2e_stage(stages: list[Stage]) -> Stage:
     return Stage(stages[-1].index + 1, (), kind="e2e")
 
 
-def hybrid_on(student_cfg: Any) -> bool:
+def hybrid_on(student_cfg: StudentConfig) -> bool:
     """Whether the layers to convert are chosen by a scoring pass (``student.hybrid``)."""
     return student_cfg.hybrid.keep_softmax is not None or student_cfg.hybrid.max_gap is not None
 
 
-def scoring_stages(cfg: DictConfig, num_layers: int) -> list[Stage]:
+def scoring_stages(cfg: Config, num_layers: int) -> list[Stage]:
     """The stages of an automatic hybrid's scoring pass: every candidate layer, teacher-forced."""
     student = cfg.student
     return plan_stages(num_layers, student.layers, student.layers_per_stage, kind="score")
 
 
-def layer_stages(cfg: DictConfig, num_layers: int, layers: list[int] | None, first_index: int = 0) -> list[Stage]:
+def layer_stages(cfg: Config, num_layers: int, layers: list[int] | None, first_index: int = 0) -> list[Stage]:
     """The layer stages that convert ``layers``, as the student config plans them: one joint
     stage of them all (``student.schedule=joint``), or stages of ``layers_per_stage``."""
     student = cfg.student
@@ -170,12 +167,12 @@ def layer_stages(cfg: DictConfig, num_layers: int, layers: list[int] | None, fir
     return plan_stages(num_layers, layers, student.layers_per_stage, closed_loop(student), first_index)
 
 
-def joint_schedule(student_cfg: Any) -> bool:
+def joint_schedule(student_cfg: StudentConfig) -> bool:
     """Whether the layer stages are one joint stage (``student.schedule``)."""
-    return student_cfg.get("schedule", Schedule.sequential) == Schedule.joint
+    return student_cfg.schedule == Schedule.joint
 
 
-def _hybrid_positions(cfg: DictConfig, num_layers: int) -> int:
+def _hybrid_positions(cfg: Config, num_layers: int) -> int:
     """Most boundary positions a layer stage of an automatic hybrid can have, whichever layers
     the scoring pass picks: k layers with no two adjacent (+ the embeddings in closed loop)."""
     if joint_schedule(cfg.student):
@@ -184,7 +181,7 @@ def _hybrid_positions(cfg: DictConfig, num_layers: int) -> int:
     return min(2 * k + int(closed_loop(cfg.student)), num_layers + 1)
 
 
-def stage_layout(cfg: DictConfig, num_layers: int, hidden_size: int) -> tuple[list[Stage], BatchConfig]:
+def stage_layout(cfg: Config, num_layers: int, hidden_size: int) -> tuple[list[Stage], BatchConfig]:
     """The run's layer stages and the layout of one sample, from the config and the teacher's
     shape (checks, workers and students all call this; see the module docstring).
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
 
+from distill.config import Config
 from distill.pipeline import BatchConfig, DistillIterableDataset, StudentClient
 from distill.pipeline.auth import CurveConfig
 from distill.pipeline.endpoints import SOCKET_NAMES, default_endpoint, runtime_dir
@@ -38,10 +38,10 @@ BROKER_LIMITS = ("max_queued", "max_queued_per_student", "max_students", "max_wo
 """The broker's back-pressure limits, ``pipeline.<name>``, passed under the same names."""
 
 
-def endpoints(cfg: DictConfig) -> dict[str, str]:
+def endpoints(cfg: Config) -> dict[str, str]:
     """The four broker endpoints: TCP at ``pipeline.broker_host`` (several machines), or
     ipc in ``pipeline.socket_dir`` (one machine)."""
-    host = cfg.pipeline.get("broker_host")
+    host = cfg.pipeline.broker_host
     if host:
         port = cfg.pipeline.broker_port
         return {name: f"tcp://{host}:{port + i}" for i, name in enumerate(SOCKET_NAMES)}
@@ -49,20 +49,20 @@ def endpoints(cfg: DictConfig) -> dict[str, str]:
     return {name: default_endpoint(name, directory) for name in SOCKET_NAMES}
 
 
-def curve_config(cfg: DictConfig) -> CurveConfig | None:
+def curve_config(cfg: Config) -> CurveConfig | None:
     """The CurveZMQ keys of ``pipeline.auth_keys_dir`` (None: authentication off)."""
     if not cfg.pipeline.auth_keys_dir:
         return None
     return CurveConfig.from_keys_dir(cfg.pipeline.auth_keys_dir, cfg.pipeline.auth_client)
 
 
-def run_id(cfg: DictConfig) -> str:
+def run_id(cfg: Config) -> str:
     """``run_id``, or else one per sweep job (so the jobs of a multirun sharing a broker
     never share a run), or else ``default``."""
     return cfg.run_id or sweep_job_run_id() or DEFAULT_RUN
 
 
-def leader_secret(cfg: DictConfig) -> str:
+def leader_secret(cfg: Config) -> str:
     """The run's leader secret (``distill.pipeline.leadership``), kept in
     ``pipeline.socket_dir`` (else the user's runtime directory): a restarted job leads its
     run again, and mode=local's supervisor can stop the run's workers."""
@@ -80,19 +80,19 @@ def sweep_job_run_id() -> str | None:
     return f"{sweep}j{hydra_cfg.job.num}"
 
 
-def _heartbeats(cfg: DictConfig) -> dict[str, Any]:
+def _heartbeats(cfg: Config) -> dict[str, Any]:
     return {"heartbeat_interval_s": cfg.pipeline.heartbeat_interval_s,
             "heartbeat_liveness": cfg.pipeline.heartbeat_liveness}
 
 
-def broker_kwargs(cfg: DictConfig) -> dict[str, Any]:
+def broker_kwargs(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of the run's :class:`~distill.pipeline.Broker`."""
     eps = {f"{name}_endpoint": ep for name, ep in endpoints(cfg).items()}
-    limits = {name: cfg.pipeline[name] for name in BROKER_LIMITS}
+    limits = {name: getattr(cfg.pipeline, name) for name in BROKER_LIMITS}
     return {**eps, **_heartbeats(cfg), "curve": curve_config(cfg), **limits}
 
 
-def worker_kwargs(cfg: DictConfig) -> dict[str, Any]:
+def worker_kwargs(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of a teacher :class:`~distill.pipeline.Worker` (besides its batch
     function and sample layout)."""
     eps = endpoints(cfg)
@@ -103,7 +103,7 @@ def worker_kwargs(cfg: DictConfig) -> dict[str, Any]:
             "direct_requests": cfg.pipeline.direct_requests}
 
 
-def control_client(cfg: DictConfig, rank: int, batch_config: BatchConfig) -> StudentClient:
+def control_client(cfg: Config, rank: int, batch_config: BatchConfig) -> StudentClient:
     """A rank's control connection (stage switches, the leader's generation), patient with a
     broker that is alive but slow (``pipeline.broker_wait_s``, ``pipeline.broker_pid``). Its
     one slot (a client needs a medium; one sample of shared memory, counted by
@@ -116,7 +116,7 @@ def control_client(cfg: DictConfig, rank: int, batch_config: BatchConfig) -> Stu
                          broker_wait_s=cfg.pipeline.broker_wait_s, broker_pid=cfg.pipeline.broker_pid)
 
 
-def stage_dataset(cfg: DictConfig, rank: int, generation_value: Any, batch_config: BatchConfig,
+def stage_dataset(cfg: Config, rank: int, generation_value: Any, batch_config: BatchConfig,
                   batch_size: int, pin_memory: bool) -> DistillIterableDataset:
     """The dataset a rank reads one stage's batches from (its own slots)."""
     return DistillIterableDataset(

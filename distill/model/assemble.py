@@ -40,9 +40,9 @@ import hydra.utils
 import safetensors.torch
 import torch
 import transformers
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from distill.config import plain
 from distill.model.native import WEIGHTS_FILE, build_native, load_native, write_native
 from distill.model.teacher import TORCH_DTYPES, Teacher, call_in_own_dtype, model_class, parse_dtype
 
@@ -174,7 +174,7 @@ def export_student(
     teacher: Teacher,
     teacher_source: str,
     replacements: dict[int, nn.Module],
-    replacement_cfgs: dict[int, dict | DictConfig],
+    replacement_cfgs: dict[int, dict],
     out_dir: str,
     tokenizer: Any = None,
     dtype: torch.dtype | None = None,
@@ -218,11 +218,9 @@ def _check_cfgs(replacements: dict[int, nn.Module], replacement_cfgs: dict[int, 
             )
 
 
-def _plain_cfg(cfg: dict | DictConfig) -> dict:
-    """A JSON-ready dict of a (possibly OmegaConf) replacement config, interpolations resolved."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return copy.deepcopy(dict(cfg))
+def _plain_cfg(cfg: dict) -> dict:
+    """A JSON-ready copy of a replacement config (the manifest must not share it with the caller)."""
+    return plain(copy.deepcopy(dict(cfg)), enums_as_str=True)
 
 
 # ---------------------------------------------------------------------- load

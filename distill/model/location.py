@@ -19,9 +19,7 @@ import json
 import os
 from typing import Any
 
-from omegaconf import DictConfig
-
-from distill.config import Family
+from distill.config import Config, Family
 from distill.model.gguf_cache import REAL_EXTRA, gguf_config, gguf_teacher_dir, require_gguf_support
 from distill.model.tiny_cache import tiny_bert_dir, tiny_teacher_dir
 
@@ -56,13 +54,13 @@ def check_exists(name_or_path: str) -> str:
     return path
 
 
-def teacher_model(cfg: DictConfig) -> str | None:
+def teacher_model(cfg: Config) -> str | None:
     """The model the teacher keys name: a directory, a hub name or a ``.gguf`` file (None: the tiny
     teacher). ``teacher.gguf_file`` is a file in ``teacher.name_or_path``'s directory, or in the
     directory of the installed package ``teacher.gguf_package`` (teacher=smollm2)."""
     teacher = cfg.teacher
-    name_or_path, gguf_file = teacher.get("name_or_path"), teacher.get("gguf_file")
-    package = teacher.get("gguf_package")
+    name_or_path, gguf_file = teacher.name_or_path, teacher.gguf_file
+    package = teacher.gguf_package
     if package:
         if name_or_path or not gguf_file:
             raise ValueError(f"teacher.gguf_package={package!r} names the package holding teacher.gguf_file: "
@@ -88,14 +86,14 @@ def _package_dir(package: str) -> str:
     return str(next(iter(spec.submodule_search_locations)))
 
 
-def teacher_source(cfg: DictConfig) -> str:
+def teacher_source(cfg: Config) -> str:
     """The directory or hub name the processes load the teacher from, building on first use the
     tiny teacher or the HF directory of a GGUF teacher (in the distill cache, once per file)."""
     model = teacher_model(cfg)
     if model is not None and is_gguf(model):
         path = check_exists(model)
         require_gguf_support(path)
-        return gguf_teacher_dir(cfg.teacher.get("cache_dir"), path)
+        return gguf_teacher_dir(cfg.teacher.cache_dir, path)
     if model is not None:
         return model
     tiny = cfg.teacher.tiny

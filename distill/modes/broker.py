@@ -6,6 +6,7 @@ import logging
 
 from omegaconf import DictConfig
 
+from distill.config import typed_config
 from distill.modes.process import configure_logging, exit_on_sigterm
 from distill.modes.stats import stats_command
 from distill.pipeline import Broker
@@ -20,7 +21,7 @@ def run_broker(cfg: DictConfig) -> None:
     configure_logging(cfg)
     exit_on_sigterm()
     sweep_orphans()
-    broker = Broker(**broker_kwargs(cfg))
+    broker = Broker(**broker_kwargs(typed_config(cfg)))
     log.info("this broker's counters: %s", stats_command(cfg))
     try:
         broker.run()

@@ -16,7 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import Mode, Parallel, Source, Trainable
+from distill.config import Config, Mode, Parallel, Source, Trainable, typed_config
 from distill.errors import ConfigError
 from distill.model import family as families
 from distill.model.data import text_files
@@ -50,21 +50,22 @@ def check_config(cfg: DictConfig) -> None:
 
 def _check_all(cfg: DictConfig) -> None:
     _check_missing(cfg)
+    config = typed_config(cfg)  # what the checks owned below modes/ read, as every mode passes it
     _check_data(cfg)
     _check_numbers(cfg)
     _check_quality_settings(cfg)
-    _check_family(cfg)
-    num_layers, hidden = _teacher_shape(cfg)
-    stages, batch_config = stage_layout(cfg, num_layers, hidden)
+    _check_family(config)
+    num_layers, hidden = _teacher_shape(config)
+    stages, batch_config = stage_layout(config, num_layers, hidden)
     if cfg.mode in (Mode.student, Mode.local):
         _check_shm(cfg, batch_config.nbytes(), max_positions(stages))
     _check_devices(cfg)
-    _check_memory(cfg)
+    _check_memory(config)
     if cfg.mode == Mode.eval:
         _check_eval(cfg)
     if cfg.mode in (Mode.student, Mode.local):
-        check_tracking(cfg)  # the library of tracking=X is installed (its rank 0 student logs)
-    _check_auth(cfg)
+        check_tracking(config)  # the library of tracking=X is installed (its rank 0 student logs)
+    _check_auth(config)
 
 
 def _check_missing(cfg: DictConfig) -> None:
@@ -159,7 +160,7 @@ def _check_hybrid(cfg: DictConfig) -> None:
                              "must be converted")
 
 
-def _check_family(cfg: DictConfig) -> None:
+def _check_family(cfg: Config) -> None:
     """An HF teacher's family is one distill reproduces, and the replacement kind fits its layers.
 
     Checked on the teacher's config.json alone (no weights, no transformers), so an unsupported
@@ -169,13 +170,13 @@ def _check_family(cfg: DictConfig) -> None:
     model = teacher_model(cfg)
     if model is None:
         return
-    target = OmegaConf.select(cfg, "replacement._target_")
+    options = dict(cfg.replacement or {})
+    target = options.get("_target_")
     kind = families.KIND_OF_TARGET.get(str(target)) if target is not None else None
-    options = OmegaConf.to_container(cfg.replacement) if OmegaConf.select(cfg, "replacement") is not None else {}
     families.check_teacher(read_config(model), kind, options)
 
 
-def _teacher_shape(cfg: DictConfig) -> tuple[int, int]:
+def _teacher_shape(cfg: Config) -> tuple[int, int]:
     """(num_layers, hidden_size) without loading weights."""
     model = teacher_model(cfg)
     if model is None:
@@ -192,7 +193,7 @@ def _check_shm(cfg: DictConfig, sample_bytes: int, positions: int) -> None:
                                f"({positions} hidden states per sample)")
 
 
-def _check_memory(cfg: DictConfig) -> None:
+def _check_memory(cfg: Config) -> None:
     """Refuse a teacher that cannot fit the GPUs it is given, and a student rank whose memory
     floor (``distill.train.sizing.e2e_rank_floor``) exceeds its device, naming the numbers.
     Only for teachers with a config to read (the tiny demo teachers always fit)."""
@@ -218,7 +219,7 @@ def _check_memory(cfg: DictConfig) -> None:
         _check_student_floor(cfg, shape, gpus)
 
 
-def _check_student_floor(cfg: DictConfig, shape: ModelShape, gpus: int) -> None:
+def _check_student_floor(cfg: Config, shape: ModelShape, gpus: int) -> None:
     e2e = cfg.student.e2e
     ranks = cfg.local.num_students if cfg.mode == Mode.local else 1
     parts = e2e_rank_floor(shape, cfg.teacher.dtype, e2e.trainable, ranks, e2e.parallel == Parallel.fsdp,
@@ -227,7 +228,7 @@ def _check_student_floor(cfg: DictConfig, shape: ModelShape, gpus: int) -> None:
         parts = {"teacher": parts["teacher"]}
     need = sum(parts.values())
     if cfg.device.student_gpu and gpus:
-        gpu = int((cfg.device.get("student_gpus") or [0])[0])
+        gpu = int((cfg.device.student_gpus or [0])[0])
         room, where = torch.cuda.get_device_properties(min(gpu, gpus - 1)).total_memory, f"cuda:{gpu}"
     else:
         room, where = _available_ram() // ranks, f"this machine's free RAM / {ranks} rank(s)"
@@ -251,7 +252,7 @@ def _gib(nbytes: float) -> str:
 def _check_devices(cfg: DictConfig) -> None:
     """GPUs that exist, a teacher spread over GPUs with accelerate installed, and (mode=local)
     no GPU shared by a teacher worker and a student rank unless asked (``modes/placement.py``)."""
-    if cfg.device.get("worker_gpus") and importlib.util.find_spec("accelerate") is None:
+    if cfg.device.worker_gpus and importlib.util.find_spec("accelerate") is None:
         raise ConfigError(f"device.worker_gpus={list(cfg.device.worker_gpus)} spreads the teacher with "
                          "transformers' device_map, which needs accelerate: pip install 'distill[sharded]'")
     if cfg.mode == Mode.local:
@@ -260,7 +261,7 @@ def _check_devices(cfg: DictConfig) -> None:
         plan_local(OmegaConf.merge(cfg, {"device": {"student_gpu": False}}), torch.cuda.device_count())
 
 
-def _check_auth(cfg: DictConfig) -> None:
+def _check_auth(cfg: Config) -> None:
     """With ``pipeline.auth_keys_dir`` set, the keys this mode needs are there and private.
 
     Authentication works over ipc as over tcp, so ipc-only endpoints are no reason to

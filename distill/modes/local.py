@@ -40,6 +40,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from distill.config import typed_config
 from distill.errors import ChildFailed
 from distill.model.location import teacher_source
 from distill.modes.placement import plan_local
@@ -106,8 +107,9 @@ def run_local(cfg: DictConfig) -> None:
     configure_logging(cfg)
     exit_on_sigterm()
     run_id = cfg.run_id or new_run_id()
-    source = teacher_source(cfg)  # builds the tiny teacher (or converts a GGUF one) once, before any child needs it
-    claim = hold_checkpoint_dir(checkpoint_dir(cfg))  # a second run with the same settings stops here
+    config = typed_config(cfg)
+    source = teacher_source(config)  # builds the tiny teacher (or converts a GGUF one) once, before any child needs it
+    claim = hold_checkpoint_dir(checkpoint_dir(config))  # a second run with the same settings stops here
     record_config(cfg)  # once the run is ours (distill.__main__.CLAIMING_MODES)
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -138,9 +140,9 @@ def run_local(cfg: DictConfig) -> None:
         log.info("run %s finished in %.0fs; results in %s", run_id, time.monotonic() - started, out)
     finally:
         add_worker.unlink(missing_ok=True)  # the job's sockets go now
-        control = (endpoints(cfg)["control"] if cfg.pipeline.get("broker_host")
+        control = (endpoints(config)["control"] if config.pipeline.broker_host
                    else default_endpoint("control", socket_dir))
-        _stop_all(children, control, curve_config(cfg), secret)
+        _stop_all(children, control, curve_config(config), secret)
         shutil.rmtree(socket_dir, ignore_errors=True)
         sweep_orphans(min_age_s=0)
         claim.close()  # the next run of these settings may start

@@ -33,7 +33,7 @@ class GpuPlacement:
 
 def worker_gpus(cfg: DictConfig) -> tuple[int, ...]:
     """The GPUs a worker's teacher takes: ``device.worker_gpus``, else ``device.worker_gpu``."""
-    if cfg.device.get("worker_gpus"):
+    if cfg.device.worker_gpus:
         return tuple(int(g) for g in cfg.device.worker_gpus)
     return () if cfg.device.worker_gpu is None else (int(cfg.device.worker_gpu),)
 
@@ -42,13 +42,13 @@ def plan_local(cfg: DictConfig, device_count: int) -> GpuPlacement:
     """The placement of mode=local on a machine with ``device_count`` GPUs, or a ValueError
     naming the keys to change."""
     workers = worker_gpus(cfg)
-    _check_exist("device.worker_gpus" if cfg.device.get("worker_gpus") else "device.worker_gpu", workers,
+    _check_exist("device.worker_gpus" if cfg.device.worker_gpus else "device.worker_gpu", workers,
                  device_count)
     ranks = int(cfg.local.num_students)
     if not cfg.device.student_gpu:
         return GpuPlacement(workers, ())
-    share = bool(cfg.device.get("share_gpu", False))
-    if cfg.device.get("student_gpus"):
+    share = bool(cfg.device.share_gpu)
+    if cfg.device.student_gpus:
         students = tuple(int(g) for g in cfg.device.student_gpus)
         if len(students) < ranks:
             raise ValueError(f"device.student_gpus={list(students)} names {len(students)} GPU(s) for "

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
+from distill.config import Config, typed_config
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.stages import stage_layout
@@ -57,14 +58,15 @@ class Timings:
 
 def run_plan(cfg: DictConfig) -> None:
     """Time the pieces, project the stages, print the plan."""
-    teacher = load_teacher(cfg)
-    chunks = load_chunks(cfg, load_tokenizer(cfg)).train_NT
-    timings = measure(cfg, teacher, chunks)
-    rows = project(cfg, teacher.num_layers, timings)
-    print(render(rows, timings, cfg), flush=True)
+    config = typed_config(cfg)
+    teacher = load_teacher(config)
+    chunks = load_chunks(config, load_tokenizer(config)).train_NT
+    timings = measure(config, teacher, chunks)
+    rows = project(config, teacher.num_layers, timings)
+    print(render(rows, timings, config), flush=True)
 
 
-def measure(cfg: DictConfig, teacher: Teacher, chunks_NT: torch.Tensor) -> Timings:
+def measure(cfg: Config, teacher: Teacher, chunks_NT: torch.Tensor) -> Timings:
     """Median times of a worker batch, a student step and a frozen layer on the student's side."""
     worker_batch = min(cfg.pipeline.worker_max_batch, len(chunks_NT))
     micro = min(cfg.student.micro_batch_size, len(chunks_NT))
@@ -113,7 +115,7 @@ class Row:
         return self.count * self.steps * self.step_s
 
 
-def project(cfg: DictConfig, num_layers: int, timings: Timings) -> list[Row]:
+def project(cfg: Config, num_layers: int, timings: Timings) -> list[Row]:
     """One row per kind of stage (the layer stages grouped), plus the end-to-end stage and the evaluation."""
     student, samples = cfg.student, cfg.student.micro_batch_size * cfg.student.grad_accum_steps
     workers = max(1, int(cfg.local.num_workers))
@@ -147,7 +149,7 @@ def project(cfg: DictConfig, num_layers: int, timings: Timings) -> list[Row]:
     return rows
 
 
-def render(rows: list[Row], timings: Timings, cfg: DictConfig) -> str:
+def render(rows: list[Row], timings: Timings, cfg: Config) -> str:
     """The plan as a table with its total, and what it leaves out."""
     lines = [
         "Projected wall time of this run on this machine (a projection from timed pieces, not a promise):",

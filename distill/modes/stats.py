@@ -17,6 +17,7 @@ import time
 
 from omegaconf import DictConfig
 
+from distill.config import typed_config
 from distill.errors import BrokerNotFound
 from distill.modes.process import configure_logging
 from distill.pipeline.endpoints import runtime_dir
@@ -37,11 +38,11 @@ def stats_command(cfg: DictConfig, socket_dir: str | None = None) -> str:
     """The ``mode=stats`` command that reaches the broker of ``cfg`` (its sockets in
     ``socket_dir`` when given: mode=local's private directory), to paste as it is."""
     pipeline = cfg.pipeline
-    if pipeline.get("broker_host"):
+    if pipeline.broker_host:
         where = [f"pipeline.broker_host={pipeline.broker_host}", f"pipeline.broker_port={pipeline.broker_port}"]
     else:
         where = [f"pipeline.socket_dir={socket_dir or pipeline.socket_dir or runtime_dir()}"]
-    if pipeline.get("auth_keys_dir"):
+    if pipeline.auth_keys_dir:
         where += [f"pipeline.auth_keys_dir={pipeline.auth_keys_dir}", f"pipeline.auth_client={pipeline.auth_client}"]
     return shlex.join([sys.executable, "-m", "distill", "mode=stats", *where])
 
@@ -50,8 +51,9 @@ def run_stats(cfg: DictConfig) -> None:
     """Print the broker's counters every ``stats_interval_s`` until Ctrl-C; raise
     :class:`BrokerNotFound` once nothing has answered for ``stats_wait_s``."""
     configure_logging(cfg)
-    frontend = endpoints(cfg)["frontend"]
-    curve = curve_config(cfg)
+    config = typed_config(cfg)
+    frontend = endpoints(config)["frontend"]
+    curve = curve_config(config)
     keys = curve.client_keys() if curve is not None else None
     log.info("asking the broker at %s for its counters every %gs (giving up after %gs without an answer)",
              frontend, cfg.stats_interval_s, cfg.stats_wait_s)

@@ -7,6 +7,7 @@ import logging
 
 from omegaconf import DictConfig
 
+from distill.config import typed_config
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.results.finish import finish_run
 from distill.train.context import barrier, close_context, setup_context
@@ -20,7 +21,7 @@ def run_student(cfg: DictConfig) -> None:
     """Train every stage not yet finished, then (rank 0) assemble, export, evaluate, report."""
     configure_logging(cfg)
     exit_on_sigterm()
-    ctx = setup_context(cfg, run_dir())
+    ctx = setup_context(typed_config(cfg), run_dir())
     ctx.timings["student_start_s"] = process_age_s()
     failed = True
     try:

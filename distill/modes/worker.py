@@ -12,6 +12,7 @@ import os
 
 from omegaconf import DictConfig
 
+from distill.config import Config, typed_config
 from distill.model.sources import load_chunks, load_tokenizer, load_worker_teacher
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
@@ -23,7 +24,7 @@ from distill.transport import worker_kwargs
 log = logging.getLogger(__name__)
 
 
-def build_worker(cfg: DictConfig) -> Worker:
+def build_worker(cfg: Config) -> Worker:
     """The teacher, its data and the Worker that serves them, as configured."""
     teacher = load_worker_teacher(cfg)
     chunks = load_chunks(cfg, load_tokenizer(cfg))
@@ -41,7 +42,7 @@ def run_worker(cfg: DictConfig) -> None:
     """Serve teacher targets until the broker publishes STOP."""
     configure_logging(cfg)
     exit_on_sigterm()
-    worker = build_worker(cfg)
+    worker = build_worker(typed_config(cfg))
     log.info("teacher worker ready (%d-byte samples, batches of up to %d); waiting for work from the broker at %s",
              worker.slot_size, worker.max_batch, worker.backend_endpoint)
     writer = TimingWriter(worker.batch_fn.snapshot, run_dir() / f"teacher_time.{os.getpid()}.json").start()

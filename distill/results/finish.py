@@ -14,9 +14,9 @@ import os
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from distill.config import Config, plain
 from distill.model.assemble import export_student, load_student
 from distill.model.assist import assist_figures
 from distill.model.decode import measure_decode
@@ -51,7 +51,7 @@ def finish_run(ctx: StudentContext) -> None:
     cfg, teacher = ctx.cfg, ctx.teacher
     with timed(ctx.timings, "export_s"):
         replacements = load_stage_replacements(ctx, ctx.stages)
-        cfgs = {layer: OmegaConf.to_container(cfg.replacement, resolve=True) for layer in replacements}
+        cfgs = {layer: plain(cfg.replacement) for layer in replacements}
         base, final = teacher, replacements
         if e2e_finished(ctx):
             base, final = load_e2e_student(ctx)
@@ -92,7 +92,7 @@ def finish_run(ctx: StudentContext) -> None:
                                    ctx.checkpoint_dir))
     record = RunRecord(summary=summary, layers=rows, layer_cfgs=cfgs, num_layers=teacher.num_layers,
                        causal=teacher.causal and metric_kind(teacher) == "lm",
-                       data=OmegaConf.to_container(cfg.data, resolve=True),
+                       data=plain(cfg.data, enums_as_str=True),
                        eval=result.to_dict() if result else None, decode=decode, timings=ctx.timings,
                        final_val=_final_val(metrics), hybrid=hybrid)
     report = render_run(record, str(ctx.out_dir), out, metrics)
@@ -115,7 +115,7 @@ SUPERVISOR_KEYS = ("hydra.", "mode=", "run_id=", "pipeline.socket_dir=", "pipeli
 """Overrides ``mode=local`` adds to its children's command lines: not what the user typed."""
 
 
-def chosen_options(cfg: DictConfig) -> dict[str, str]:
+def chosen_options(cfg: Config) -> dict[str, str]:
     """What the user typed: the command's overrides and the option picked in each group
     (``teacher=tiny_llama``, ``replacement=linear_attention``), not the class paths and cache
     directories they became; the teacher's source (a directory or hub name) as its own key."""

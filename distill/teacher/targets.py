@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from omegaconf import DictConfig
 
+from distill.config import Config
 from distill.model.data import sample_indices
 from distill.model.teacher import Teacher
 from distill.pipeline import SlotTarget
@@ -37,7 +37,7 @@ SEED_STRIDE = 1_000_003
 """Mixes ``student.seed`` into the sample order (a prime, so nearby seeds give unrelated orders)."""
 
 
-def sample_seed(cfg: DictConfig) -> int:
+def sample_seed(cfg: Config) -> int:
     """Seed of the training-sample order: ``data.seed`` mixed with ``student.seed``, so a run with
     another ``student.seed`` trains on another order of the same chunks as well as from another
     init (``student.seed=0`` keeps the order of ``data.seed`` alone). The held-out split depends

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-from distill.config import CONF_DIR
+from distill.config import CONF_DIR, Config, plain
 from distill.errors import ConfigError
 from distill.model.location import teacher_source
 
@@ -70,14 +70,14 @@ UNFINGERPRINTED_TEACHER_KEYS = ("sleep_per_batch_s",)
 resumes across it, and fingerprints stay those of the runs before the key existed."""
 
 
-def config_fingerprint(cfg: DictConfig, source: str) -> str:
+def config_fingerprint(cfg: Config, source: str) -> str:
     """``<replacement option>-<hash>`` of the settings that decide the trained weights (``source``:
     the teacher's directory or hub name), e.g. ``linear_attention-0123456789``."""
     return f"{replacement_option(cfg)}-{_settings_hash(cfg, source)}"
 
 
-def _settings_hash(cfg: DictConfig, source: str) -> str:
-    keep = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in FINGERPRINT_KEYS}
+def _settings_hash(cfg: Config, source: str) -> str:
+    keep = {key: plain(getattr(cfg, key)) for key in FINGERPRINT_KEYS}
     for key in UNFINGERPRINTED_STUDENT_KEYS:
         keep["student"].pop(key, None)
     for key in UNFINGERPRINTED_TEACHER_KEYS:
@@ -86,17 +86,17 @@ def _settings_hash(cfg: DictConfig, source: str) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def replacement_option(cfg: DictConfig) -> str:
+def replacement_option(cfg: Config) -> str:
     """The ``replacement=<option>`` that gives this config's replacement class (the option file in
     ``conf/replacement/`` with its ``_target_``), else the class name (a class the user named)."""
     target = str(cfg.replacement.get("_target_", "replacement"))
     for path in sorted((CONF_DIR / "replacement").glob("*.yaml")):
-        if (OmegaConf.load(path) or {}).get("_target_") == target:
+        if (yaml.safe_load(path.read_text()) or {}).get("_target_") == target:
             return path.stem
     return target.rsplit(".", 1)[-1]
 
 
-def checkpoint_dir(cfg: DictConfig) -> Path:
+def checkpoint_dir(cfg: Config) -> Path:
     """Where this run's checkpoints live: ``checkpoint_dir``, else the same directory for a
     rerun of the same command: ``<replacement option>-<hash>``, or the ``<class>-<hash>`` name
     of the runs before the option name, when only that one exists (so they resume)."""

@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distill.config import Parallel
+from distill.config import Config, Parallel
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.pipeline import BatchConfig, StudentClient
@@ -49,7 +48,7 @@ FSDP_FORWARD_METHODS = ("final_hidden", "logits")
 class StudentContext:
     """What every stage of this rank shares."""
 
-    cfg: DictConfig
+    cfg: Config
     rank: int
     world_size: int
     device: torch.device
@@ -78,7 +77,7 @@ class StudentContext:
             self.tracker.log(record)
 
 
-def setup_context(cfg: DictConfig, out_dir: Path) -> StudentContext:
+def setup_context(cfg: Config, out_dir: Path) -> StudentContext:
     """Join the process group, (leader) open the experiment tracker, load the teacher and (leader)
     the held-out data, say hello. The tracker opens first: a tracker that cannot start (no W&B
     login, a store refused) fails the run before minutes of loading a teacher."""
@@ -91,7 +90,7 @@ def setup_context(cfg: DictConfig, out_dir: Path) -> StudentContext:
         raise
 
 
-def _setup_parts(cfg: DictConfig, out_dir: Path, rank: int, world_size: int, device: torch.device,
+def _setup_parts(cfg: Config, out_dir: Path, rank: int, world_size: int, device: torch.device,
                  tracker: Tracker) -> StudentContext:
     teacher = load_teacher(cfg, device)
     stages, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
@@ -109,7 +108,7 @@ def _setup_parts(cfg: DictConfig, out_dir: Path, rank: int, world_size: int, dev
                           directory, out_dir, stages, tracker=tracker)
 
 
-def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
+def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; NCCL on CUDA, else gloo."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -127,7 +126,7 @@ def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def _student_gpu(cfg: DictConfig, local_rank: int) -> int:
+def _student_gpu(cfg: Config, local_rank: int) -> int:
     """``device.student_gpus[local_rank]`` (mode=local sets it to GPUs no teacher uses), else
     ``local_rank``."""
     gpus = cfg.device.get("student_gpus")

@@ -47,6 +47,7 @@ Shape legend: B batch, T tokens, D hidden size, V vocabulary, K top-k, N tokens 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -55,11 +56,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from distill.config import Loss, Trainable
+from distill.config import Inputs, Loss, StudentConfig, Trainable
 from distill.model.assemble import layer_list_name, splice
 from distill.model.evaluate import metric_kind, perplexity_of
 from distill.model.lora import add_lora, merge_lora
@@ -219,13 +219,13 @@ LOSS_KEY = -1
 """Key of the end-to-end loss in the per-layer loss dict the training loop passes around."""
 
 
-def e2e_student_config(student_cfg: DictConfig) -> DictConfig:
+def e2e_student_config(student_cfg: StudentConfig) -> StudentConfig:
     """The student config as the end-to-end stage sees it: its own steps, lr and batch."""
     e2e = student_cfg.e2e
-    return OmegaConf.merge(student_cfg, {
-        "steps_per_stage": e2e.steps, "lr": e2e.lr, "warmup_steps": e2e.warmup_steps,
-        "micro_batch_size": e2e.micro_batch_size or student_cfg.micro_batch_size,
-        "max_tokens_per_stage": None, "patience": 0, "inputs": "teacher"})
+    return dataclasses.replace(
+        student_cfg, steps_per_stage=e2e.steps, lr=e2e.lr, warmup_steps=e2e.warmup_steps,
+        micro_batch_size=e2e.micro_batch_size or student_cfg.micro_batch_size,
+        max_tokens_per_stage=None, patience=0, inputs=Inputs.teacher)
 
 
 class E2ETrainer(StageTrainer):

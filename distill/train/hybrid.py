@@ -30,13 +30,12 @@ Shape legend: N chunks, T tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from distill.config import HybridScore
+from distill.config import HybridScore, Inputs, StudentConfig
 from distill.model.evaluate import evaluate, metric_kind, score_student, spliced_alone_kl
 from distill.stages import Stage, layer_stages, scoring_stages
 from distill.train import checkpoint as ckpt
@@ -50,11 +49,10 @@ HYBRID_FILE = "hybrid.json"
 """The scoring pass's scores and choice, in the checkpoint directory."""
 
 
-def scoring_config(student_cfg: DictConfig) -> DictConfig:
+def scoring_config(student_cfg: StudentConfig) -> StudentConfig:
     """The student config of the scoring pass: short, teacher-forced, no early stop."""
-    return OmegaConf.merge(student_cfg, {
-        "steps_per_stage": student_cfg.hybrid.steps, "inputs": "teacher", "max_tokens_per_stage": None,
-        "patience": 0, "val_every_steps": 0})
+    return dataclasses.replace(student_cfg, steps_per_stage=student_cfg.hybrid.steps, inputs=Inputs.teacher,
+                               max_tokens_per_stage=None, patience=0, val_every_steps=0)
 
 
 def run_hybrid(ctx: StudentContext, finished: set[int]) -> list[Stage]:

@@ -13,9 +13,9 @@ import logging
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import nn
 
+from distill.config import Config
 from distill.model.teacher import Teacher
 from distill.stages import Stage
 from distill.train import checkpoint as ckpt
@@ -36,7 +36,7 @@ class StageModule(nn.Module):
         return {layer: self.blocks[str(layer)](inputs[layer]) for layer in self.layer_idxs}
 
 
-def build_replacement(cfg: DictConfig, teacher: Teacher, layer: int) -> nn.Module:
+def build_replacement(cfg: Config, teacher: Teacher, layer: int) -> nn.Module:
     """Instantiate ``cfg.replacement`` for one teacher layer, trained in fp32."""
     try:
         factory = instantiate(cfg.replacement)
@@ -46,7 +46,7 @@ def build_replacement(cfg: DictConfig, teacher: Teacher, layer: int) -> nn.Modul
                          "replacement (see conf/replacement/*.yaml for each option)") from exc
 
 
-def build_stage_module(cfg: DictConfig, teacher: Teacher, stage: Stage) -> StageModule:
+def build_stage_module(cfg: Config, teacher: Teacher, stage: Stage) -> StageModule:
     """Fresh replacements for every layer of ``stage``."""
     return StageModule({layer: build_replacement(cfg, teacher, layer) for layer in stage.layers})
 

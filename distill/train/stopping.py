@@ -7,10 +7,11 @@ periodic validation (``student.val_every_steps``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from distill.config import StudentConfig
 
 STOP_STEPS = "steps"
 STOP_BUDGET = "budget"
@@ -29,12 +30,12 @@ def budget_steps(student_cfg: Any, world_size: int, seq_len: int) -> int:
     return max(1, min(steps, math.ceil(budget / tokens_per_step)))
 
 
-def with_budget(student_cfg: DictConfig, world_size: int, seq_len: int) -> DictConfig:
+def with_budget(student_cfg: StudentConfig, world_size: int, seq_len: int) -> StudentConfig:
     """A copy of the student config whose ``steps_per_stage`` honours the token budget."""
     steps = budget_steps(student_cfg, world_size, seq_len)
     if steps == student_cfg.steps_per_stage:
         return student_cfg
-    return OmegaConf.merge(student_cfg, {"steps_per_stage": steps})
+    return dataclasses.replace(student_cfg, steps_per_stage=steps)
 
 
 def stop_reason(student_cfg: Any, steps_planned: int) -> str:

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
 
-from distill.config import TrackingBackend
+from distill.config import Config, TrackingBackend, plain
 from distill.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,10 @@ def _numbers(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, floa
             yield f"{prefix}{key}", float(value)
 
 
-def hyperparameters(cfg: DictConfig) -> dict[str, Any]:
+def hyperparameters(cfg: Config) -> dict[str, Any]:
     """The composed config flat, ``student.lr`` -> 0.003: numbers, strings and booleans as they
     are, anything else (null, lists) as its JSON text, which every library's table accepts."""
-    tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    tree = plain(cfg, enums_as_str=True)
     return dict(_flat(tree))
 
 
@@ -140,13 +140,13 @@ class NoTracker:
 class TensorBoardTracker:
     """Event files read by ``tensorboard --logdir``: scalars, the config as text and as hparams."""
 
-    def __init__(self, log_dir: Path, cfg: DictConfig) -> None:
+    def __init__(self, log_dir: Path, cfg: Config) -> None:
         from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra
         from torch.utils.tensorboard.summary import hparams
 
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=TENSORBOARD_FLUSH_S)
-        self.writer.add_text("config", "```yaml\n" + OmegaConf.to_yaml(cfg, resolve=True) + "```")
+        self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(plain(cfg, enums_as_str=True), sort_keys=False) + "```")
         for summary in hparams(hyperparameters(cfg), {}):  # into this run's file, not a subdirectory
             self.writer.file_writer.add_summary(summary)
 
@@ -163,12 +163,12 @@ class WandbTracker:
     """A W&B run; each stage's figures are plotted against that stage's own step
     (``stage_<i>/step``, as wandb wants one increasing step per chart)."""
 
-    def __init__(self, directory: Path, project: str, name: str, cfg: DictConfig) -> None:
+    def __init__(self, directory: Path, project: str, name: str, cfg: Config) -> None:
         import wandb  # the wandb extra
 
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, name=name, dir=str(directory),
-                              config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+                              config=plain(cfg, enums_as_str=True))
         self.stages: set[int] = set()
 
     def log(self, record: dict[str, Any]) -> None:
@@ -191,7 +191,7 @@ class WandbTracker:
 class MlflowTracker:
     """An MLflow run in experiment ``project``: metrics, and the config as parameters."""
 
-    def __init__(self, uri: str | None, project: str, name: str, cfg: DictConfig) -> None:
+    def __init__(self, uri: str | None, project: str, name: str, cfg: Config) -> None:
         from mlflow import MlflowClient  # the mlflow extra
         from mlflow.entities import Metric, Param
 
@@ -253,7 +253,7 @@ class Failsafe:
         self.tracker = None
 
 
-def open_tracker(cfg: DictConfig, out_dir: Path) -> Tracker:
+def open_tracker(cfg: Config, out_dir: Path) -> Tracker:
     """The run's tracker (the leader calls this once; ``close`` it at the end of the run)."""
     tcfg = cfg.tracking
     backend = TrackingBackend(tcfg.backend)
@@ -274,7 +274,7 @@ def open_tracker(cfg: DictConfig, out_dir: Path) -> Tracker:
     return Failsafe(tracker, backend)
 
 
-def _project(tcfg: DictConfig, backend: TrackingBackend) -> str:
+def _project(tcfg: Config, backend: TrackingBackend) -> str:
     return tcfg.project or os.environ.get(PROJECT_ENV[backend]) or DEFAULT_PROJECT
 
 
@@ -284,7 +284,7 @@ def _run_name(out_dir: Path) -> str:
     return str(out_dir) if relative.startswith("..") else relative
 
 
-def check_tracking(cfg: DictConfig) -> None:
+def check_tracking(cfg: Config) -> None:
     """Before any process starts: the chosen library is installed, and (MLflow) can open its store."""
     backend = TrackingBackend(cfg.tracking.backend)
     if backend == TrackingBackend.none:

@@ -17,11 +17,11 @@ import math
 import time
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from distill.config import StudentConfig, plain
 from distill.stages import Stage
 from distill.train import checkpoint as ckpt
 from distill.train.closed_loop import ClosedLoopInputs, build_closed_loop
@@ -67,7 +67,7 @@ class StageTrainer:
     """Validate before the first step, so that the weights the stage starts from count among its
     best (a stage that starts from a trained student must never end worse than it started)."""
 
-    def __init__(self, ctx: StudentContext, stage: Stage, student_cfg: DictConfig | None = None) -> None:
+    def __init__(self, ctx: StudentContext, stage: Stage, student_cfg: StudentConfig | None = None) -> None:
         """``student_cfg``: the settings of this stage when not ``ctx.cfg.student`` (the
         end-to-end stage and the hybrid's scoring pass have their own)."""
         self.ctx = ctx
@@ -353,7 +353,7 @@ class StageTrainer:
                                  module=self.module, optimizer=self.optimizer,
                                  scheduler=self.scheduler,
                                  best=None if is_sharded(self.module) else self.best.tensors,
-                                 extra={"config": OmegaConf.to_container(self.ctx.cfg, resolve=True),
+                                 extra={"config": plain(self.ctx.cfg),
                                         "best": _json_record(self.best.meta())},
                                  write=self.ctx.leader)
         barrier(self.ctx)

@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from distill.__main__ import MODES
-from distill.config import CONF_DIR, Mode, register_configs
+from distill.config import CONF_DIR, Config, Mode, register_configs, typed_config
 
 GROUPS = ["mode", "teacher", "replacement", "data", "pipeline", "device", "student", "tracking"]
 REQUIRED = {"teacher/hf": ["teacher.name_or_path=/tmp"], "data/text": ["data.path=/tmp/*.txt"],
@@ -26,6 +26,17 @@ def _compose(overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
+
+
+def _config(overrides: list[str]) -> Config:
+    """The composed config as every function below ``distill.modes`` receives it (typed)."""
+    return typed_config(_compose(overrides))
+
+
+def schema(cls: type, **tree) -> object:
+    """A schema dataclass from its defaults and a partial tree: what a test of one function
+    hands it (a ``Config`` needs ``mode`` and ``replacement``, which the schema leaves open)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), tree))
 
 
 def _options() -> list[tuple[str, str]]:

@@ -192,3 +192,23 @@ def test_the_checks_catch_a_wrong_way_import_a_cycle_and_a_hidden_import() -> No
     assert cycle is not None and cycle[0] == cycle[-1]
     assert set(cycle) == {"distill.train.e2e", "distill.train.trainer"}
     assert ("distill.model.teacher", "distill.train.trainer") in _undocumented_lazy_imports(sources)[0]
+
+
+UNTYPED_ALLOWED = {
+    "distill.config": "the boundary: typed_config turns the composed DictConfig into the schema's dataclasses",
+    "distill.results.sweep": "a Hydra callback: Hydra calls on_multirun_end with its own DictConfig",
+}
+"""Modules below ``distill.modes`` that may name omegaconf's untyped config, and why."""
+
+
+def test_no_dictconfig_below_modes() -> None:
+    """Below ``distill.modes`` the code receives the schema's dataclasses (``typed_config``): a
+    function that takes ``Config`` says which keys it reads; a ``DictConfig`` hides them."""
+    found = []
+    for name, source in _sources().items():
+        if RANKS[_part(name)] >= RANKS["distill.modes"] or name in UNTYPED_ALLOWED:
+            continue
+        for stmt, dep in _imports(ast.parse(source)):
+            if dep.split(".")[0] == "omegaconf":
+                found.append(f"{name}:{stmt.lineno} imports {dep}")
+    assert not found, "untyped config below distill.modes:\n" + "\n".join(found)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from distill.config import Config, StudentConfig
 from distill.stages import (
     Stage,
     closed_loop,
@@ -16,13 +17,18 @@ from distill.stages import (
     sample_batch_config,
     stage_layout,
 )
-from tests.unit.test_config import _compose
+from tests.unit.test_config import _config, schema
+
+
+def _student_tree() -> dict:
+    return {"steps_per_stage": 100, "micro_batch_size": 4, "grad_accum_steps": 2, "max_tokens_per_stage": None,
+            "inputs": "teacher", "e2e": {"steps": 0, "top_k": 8}}
 
 
 def _student(**kw):
     base = {"steps_per_stage": 100, "micro_batch_size": 4, "grad_accum_steps": 2, "max_tokens_per_stage": None,
             "inputs": "teacher", "e2e": {"steps": 0, "top_k": 8}}
-    return OmegaConf.create({**base, **kw})
+    return schema(StudentConfig, **{**base, **kw})
 
 
 def test_closed_loop_stages_carry_the_embeddings_and_round_trip() -> None:
@@ -37,7 +43,8 @@ def test_closed_loop_stages_carry_the_embeddings_and_round_trip() -> None:
 
 def _cfg(family: str = "llama", **student) -> OmegaConf:
     teacher = {"name_or_path": None, "tiny": {"family": family}}
-    return OmegaConf.create({"teacher": teacher, "student": _student(**student)})
+    return schema(Config, mode="local", replacement={}, teacher=teacher,
+                  student={**_student_tree(), **student})
 
 
 def test_topk_room_only_when_the_e2e_stage_is_on_for_a_teacher_with_an_lm_head() -> None:
@@ -61,7 +68,7 @@ def test_stages_group_the_chosen_layers_and_refuse_bad_ones() -> None:
 
 
 def test_the_layout_of_a_run_is_the_widest_stage_and_follows_the_config() -> None:
-    cfg = _compose(["student.layers_per_stage=2", "student.inputs=mix", "student.e2e.steps=3", "student.e2e.top_k=4",
+    cfg = _config(["student.layers_per_stage=2", "student.inputs=mix", "student.e2e.steps=3", "student.e2e.top_k=4",
                     "data.seq_len=16", "teacher.dtype=bfloat16"])
     stages, batch_config = stage_layout(cfg, num_layers=5, hidden_size=8)
     assert [s.layers for s in stages] == [(0, 1), (2, 3), (4,)] and all(s.closed_loop for s in stages)
@@ -71,7 +78,7 @@ def test_the_layout_of_a_run_is_the_widest_stage_and_follows_the_config() -> Non
 
 
 def test_a_hybrid_run_starts_with_its_scoring_pass_in_a_layout_for_any_choice() -> None:
-    cfg = _compose(["student.hybrid.keep_softmax=1", "student.layers_per_stage=2", "student.inputs=student",
+    cfg = _config(["student.hybrid.keep_softmax=1", "student.layers_per_stage=2", "student.inputs=student",
                     "data.seq_len=16"])
     stages, batch_config = stage_layout(cfg, num_layers=6, hidden_size=8)
     assert [(s.layers, s.kind, s.closed_loop) for s in stages] == [((0, 1), "score", False), ((2, 3), "score", False),

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from distill.train import checkpoint as ckpt
-from tests.unit.test_config import _compose
+from tests.unit.test_config import _config
 
 
 def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -105,19 +105,19 @@ def test_loading_weights_of_another_architecture_fails_loudly(tmp_path: Path) ->
 
 def test_checkpoint_fingerprint_ignores_how_batches_are_fetched_and_logged() -> None:
     """A rerun with other loader/logging settings (or teacher pace) resumes; other weights start afresh."""
-    base = ckpt.config_fingerprint(_compose([]), "tiny")
+    base = ckpt.config_fingerprint(_config([]), "tiny")
     assert base.startswith("linear_attention-")  # the option typed, as the README says
     same = ["student.loader_workers=2", "student.prefetch_batches=0", "student.log_every_steps=1",
             "student.checkpoint_every_steps=7", "teacher.sleep_per_batch_s=0.05"]
-    assert ckpt.config_fingerprint(_compose(same), "tiny") == base
-    assert ckpt.config_fingerprint(_compose(["student.lr=0.01"]), "tiny") != base
-    assert ckpt.config_fingerprint(_compose(["student.loss=cosine"]), "tiny") != base
-    assert ckpt.config_fingerprint(_compose([]), "other teacher") != base
+    assert ckpt.config_fingerprint(_config(same), "tiny") == base
+    assert ckpt.config_fingerprint(_config(["student.lr=0.01"]), "tiny") != base
+    assert ckpt.config_fingerprint(_config(["student.loss=cosine"]), "tiny") != base
+    assert ckpt.config_fingerprint(_config([]), "other teacher") != base
 
 
 def test_checkpoint_dir_is_the_setting_or_the_fingerprint(tmp_path: Path) -> None:
-    assert ckpt.checkpoint_dir(_compose([f"checkpoint_dir={tmp_path}"])) == tmp_path
-    cfg = _compose(["teacher=hf", f"teacher.name_or_path={tmp_path}"])
+    assert ckpt.checkpoint_dir(_config([f"checkpoint_dir={tmp_path}"])) == tmp_path
+    cfg = _config(["teacher=hf", f"teacher.name_or_path={tmp_path}"])
     assert ckpt.checkpoint_dir(cfg) == Path("outputs/checkpoints") / ckpt.config_fingerprint(cfg, str(tmp_path))
 
 
@@ -126,7 +126,7 @@ def test_checkpoint_folders_are_named_by_the_replacement_option_and_old_folders_
     """``<replacement>-<hash>`` with the option name (``replacement=mlp``: ``mlp-...``); a run
     checkpointed under the class name before (``ResidualMLP-<same hash>``) is found and resumed."""
     monkeypatch.chdir(tmp_path)
-    cfg = _compose(["replacement=mlp", "teacher=hf", f"teacher.name_or_path={tmp_path}"])
+    cfg = _config(["replacement=mlp", "teacher=hf", f"teacher.name_or_path={tmp_path}"])
     named = ckpt.checkpoint_dir(cfg)
     digest = named.name.split("-", 1)[1]
     assert named == Path("outputs/checkpoints") / f"mlp-{digest}"

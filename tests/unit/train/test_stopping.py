@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
+from distill.config import StudentConfig
 from distill.train.stopping import Patience, budget_steps, stop_reason, with_budget
+from tests.unit.test_config import schema
 
 
 def _student(**kw):
     base = {"steps_per_stage": 100, "micro_batch_size": 4, "grad_accum_steps": 2, "max_tokens_per_stage": None,
             "inputs": "teacher", "e2e": {"steps": 0, "top_k": 8}}
-    return OmegaConf.create({**base, **kw})
+    return schema(StudentConfig, **{**base, **kw})
 
 
 def test_token_budget_sets_the_steps() -> None:

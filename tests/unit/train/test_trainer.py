@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
+from distill.config import Config
 from distill.pipeline import Broker, Worker
 from distill.pipeline.mediums.shm import list_segments
 from distill.replacements.teacher_copy import TeacherCopy
@@ -26,16 +26,16 @@ from distill.train.modules import StageModule
 from distill.train.trainer import StageTrainer, cosine_lr, layer_loss, train_stage
 from distill.transport import broker_kwargs, control_client, worker_kwargs
 from tests.tiny_teachers import tiny_llama
-from tests.unit.test_config import _compose
+from tests.unit.test_config import _config
 
 SEQ_LEN = 16
 VOCAB = 96
 
 
-def _cfg(tmp_path: Path, *overrides: str, replacement: str = "mlp") -> DictConfig:
+def _cfg(tmp_path: Path, *overrides: str, replacement: str = "mlp") -> Config:
     socket_dir = tmp_path / "sock"
     socket_dir.mkdir(mode=0o700, exist_ok=True)
-    return _compose(["mode=student", f"replacement={replacement}", f"data.seq_len={SEQ_LEN}", "student.micro_batch_size=4",
+    return _config(["mode=student", f"replacement={replacement}", f"data.seq_len={SEQ_LEN}", "student.micro_batch_size=4",
                      "student.steps_per_stage=6", "student.checkpoint_every_steps=3", "student.log_every_steps=1",
                      "student.lr=1e-2", "pipeline.slot_count=8", "pipeline.worker_max_batch=4",
                      "pipeline.heartbeat_interval_s=0.2", f"pipeline.socket_dir={socket_dir}",
@@ -48,7 +48,7 @@ def pipeline_for(tmp_path: Path) -> Iterator:
     """Starts a broker and one teacher worker for a config; stops them after the test."""
     started: list = []
 
-    def start(cfg: DictConfig, teacher) -> None:
+    def start(cfg: Config, teacher) -> None:
         _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
         train_NT = torch.randint(0, VOCAB, (64, SEQ_LEN), generator=torch.Generator().manual_seed(0))
         broker = Broker(**broker_kwargs(cfg)).start()
@@ -61,7 +61,7 @@ def pipeline_for(tmp_path: Path) -> Iterator:
         part.stop()
 
 
-def _context(cfg: DictConfig, teacher, out_dir: Path) -> StudentContext:
+def _context(cfg: Config, teacher, out_dir: Path) -> StudentContext:
     stages, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
     client = control_client(cfg, 0, batch_config)
     client.hello()
