@@ -19,6 +19,7 @@ from torch import nn
 from distill.config import Config, plain
 from distill.model.assemble import export_student, load_student
 from distill.model.assist import assist_figures
+from distill.model.continuations import continuations
 from distill.model.decode import measure_decode
 from distill.model.evaluate import EvalResult, evaluate, metric_kind, score_student
 from distill.model.location import teacher_source
@@ -55,8 +56,9 @@ def finish_run(ctx: StudentContext) -> None:
         base, final = teacher, replacements
         if e2e_finished(ctx):
             base, final = load_e2e_student(ctx)
+        tokenizer = load_tokenizer(cfg)
         out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
-                             tokenizer=load_tokenizer(cfg), dtype=teacher.dtype)
+                             tokenizer=tokenizer, dtype=teacher.dtype)
         log.info("student exported to %s  (load it: from distill import load_student; "
                  "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
@@ -86,6 +88,8 @@ def finish_run(ctx: StudentContext) -> None:
         if len(ctx.heldout_NT):
             with timed(ctx.timings, "assist_s"):
                 decode["assisted"] = assisted_figures(teacher.model, student_model, ctx.heldout_NT)
+        with timed(ctx.timings, "decode_s"):
+            decode["continuations"] = continuations(teacher.model, student_model, tokenizer)
     metrics = _run_metrics(str(ctx.out_dir / METRICS_FILE))
     summary["train_tokens"] = sum(int(r.get("tokens", 0)) for r in metrics if r.get("event") == "stage_end")
     summary.update(restored_stages(metrics, [list(s.layers) for s in ctx.stages if s.kind == "layers"],

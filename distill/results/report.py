@@ -211,6 +211,7 @@ def write_report(
         "# Distillation report",
         _config_section(config_summary),
         _overall_section(eval_result, decode, fmt),
+        *_continuations_section(decode),
         _layer_section(metrics, eval_result, describe_rows,
                        eval_result.per_layer_layer_stages if eval_result is not None else None, fmt),
     ]
@@ -292,7 +293,7 @@ def _overall_section(result: EvalResult | None, decode: dict | None = None, fmt:
     metric = _METRIC_NAMES.get(result.kind, result.kind)
     identity = ([f"| replaced layers skipped (identity baseline) | {fmt(result.identity)} |"]
                 if result.identity is not None else [])
-    if not decode:
+    if not decode or "teacher" not in decode:  # decoding not timed (an encoder, or continuations only)
         return "\n".join([
             "## Teacher vs student", "", f"Held-out {metric} over {result.num_tokens:,} tokens.", "",
             "| model | metric |", "| --- | --- |", f"| teacher | {fmt(result.teacher)} |",
@@ -322,6 +323,24 @@ def _assisted_lines(assisted: dict | None) -> list[str]:
         return []
     return ["", assisted_sentence(assisted)]
 
+
+
+def _continuations_section(decode: dict | None) -> list[str]:
+    """The teacher's and the exported student's greedy continuations of the fixed prompts
+    (``distill.model.continuations``), when the run made them: what a perplexity gap reads like."""
+    rows = (decode or {}).get("continuations")
+    if not rows:
+        return []
+    lines = ["## Greedy continuations", "",
+             "The same prompts, continued greedily by the teacher and by the exported student (new tokens only).", "",
+             "| prompt | teacher | student |", "| --- | --- | --- |"]
+    lines += [f"| {_text_cell(r['prompt'])} | {_text_cell(r['teacher'])} | {_text_cell(r['student'])} |" for r in rows]
+    return ["\n".join(lines)]
+
+
+def _text_cell(text: str) -> str:
+    """Generated text as one Markdown table cell: its pipes escaped, its line breaks shown as ⏎."""
+    return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", "⏎") + "`"
 
 
 def _mib(num_bytes: int) -> str:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from distill.errors import INTERRUPTED, INTERRUPTED_EXIT_CODE
+from distill.model.continuations import PROMPTS
 
 RUN_TIMEOUT_S = 300
 
@@ -134,6 +135,10 @@ def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: P
     for text in ((run2 / "report.md").read_text(), card):
         assert "Assisted decoding (the teacher's `generate(..., assistant_model=student)`" in text
         assert "the same tokens as the teacher alone" in text
+    shown = decode["continuations"]  # the fixed prompts, continued greedily by both models
+    assert [row["prompt"] for row in shown] == list(PROMPTS)
+    assert all(row["teacher"] and row["student"] for row in shown)
+    assert "## Greedy continuations" in (run2 / "report.md").read_text()
 
     from distill import load_student
 

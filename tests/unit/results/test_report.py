@@ -266,3 +266,17 @@ def test_local_s_time_split_replaces_the_student_s_time_table(tmp_path: Path) ->
     assert text.count(" | seconds | ") == 1  # the time table, once
     assert TIME_HEADING + "\n" not in text and "Run wall time 112.7 s" in text
     assert text.index("## Where the time went") < text.index("## Losses")  # in place, the plot still last
+
+
+def test_greedy_continuations_are_a_table_of_the_prompts(tmp_path: Path) -> None:
+    """Generated text may hold pipes and line breaks: each row stays one row of three cells."""
+    result = EvalResult(kind="lm", teacher=20.0, student=25.0, per_layer={0: 21.0}, num_tokens=4096)
+    rows = [{"prompt": "The capital of France is", "teacher": " Paris.", "student": " Paris, the"},
+            {"prompt": "def fibonacci(n):", "teacher": "\n    if n | 1:", "student": "\n    return"}]
+    path = write_report(str(tmp_path), _synthetic_metrics(), result.to_dict(), {0: _describe_row(0.5)},
+                        {"replacement": "mlp"}, decode={"continuations": rows})
+    text = Path(path).read_text()
+    assert "## Greedy continuations" in text
+    assert "| `The capital of France is` | ` Paris.` | ` Paris, the` |" in text
+    assert "| `def fibonacci(n):` | `⏎    if n \\| 1:` | `⏎    return` |" in text
+    assert "## Greedy continuations" not in Path(write_report(str(tmp_path / "b"), [], result.to_dict(), {}, {})).read_text()
