@@ -36,15 +36,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim
-from distill.pipeline.student.delivery import BACKOFF_MAX_S, Delivery
+from distill.pipeline.student.delivery import BACKOFF_MAX_S, Delivery, PoolParts
 from distill.pipeline.student.slots import PENDING, QUARANTINED, Route, SlotRecord
 from distill.pipeline.throttle import LogThrottle
 
 if TYPE_CHECKING:
     from distill.pipeline.liveness import Heartbeater
-    from distill.pipeline.mediums.shm import SharedMemoryManager
-    from distill.pipeline.slot import HeaderTable
-    from distill.pipeline.student.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -103,36 +100,17 @@ class DeadlineSetting(Protocol):
     def pending_deadline_s(self) -> float | None: ...
 
 
-class CustodyPool(Protocol):
-    """What a :class:`Custody` uses of the :class:`~distill.pipeline.student.pool.SlotPool`
-    that holds it: ``pool.py`` imports this module, so the pool is named by its parts."""
+class CustodyPool(PoolParts, Protocol):
+    """What a :class:`Custody` uses of its pool beyond :class:`PoolParts`."""
 
     @property
-    def peer_id(self) -> str: ...
-    @property
-    def payload_bytes(self) -> int: ...
-    @property
     def config(self) -> DeadlineSetting: ...
-    @property
-    def counts(self) -> dict[str, int]: ...
-    @property
-    def slots(self) -> SlotTable: ...
-    @property
-    def headers(self) -> HeaderTable: ...
-    @property
-    def medium(self) -> SharedMemoryManager: ...
     @property
     def heart(self) -> Heartbeater: ...
     @property
     def delivery(self) -> Delivery: ...
 
     def note_generation(self, generation: int) -> None: ...
-
-    def ask(self, slots: list[int]) -> None: ...
-
-    def ask_again(self, record: SlotRecord, *, keep_request: bool = False) -> None: ...
-
-    def unsend(self, record: SlotRecord) -> None: ...
 
     def resend(self, record: SlotRecord) -> None: ...
 
