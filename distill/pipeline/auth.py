@@ -1,34 +1,21 @@
 """CurveZMQ authentication: who may talk to the broker, with pyzmq's own CURVE and ZAP.
 
-Without keys, anyone who can reach an endpoint can ask for work, fill slots or
-switch the model. IPC endpoints are reachable only through their private (0700)
-directory (see ``endpoints.py``); TCP endpoints are reachable by anyone on the
-network. With a :class:`CurveConfig`, every socket of the broker is a CURVE server
-and every socket of a peer a CURVE client, whatever the transport (one rule: keys on
-means every connection is encrypted and authenticated). The broker admits only
-clients whose public key is in its allow-list directory: a ZAP handler
-(``zmq.auth.thread.ThreadAuthenticator``) in the broker's context checks each
-handshake, so a peer without an allowed key never completes one and none of its
-messages (HELLO, REQUEST, READY, SET_MODEL, ...) reaches the broker.
+One rule: with a :class:`CurveConfig`, every socket of the broker is a CURVE server
+and every socket of a peer a CURVE client, whatever the transport, so keys on means
+every connection is encrypted and authenticated. A ZAP handler
+(``zmq.auth.thread.ThreadAuthenticator``) in the broker's context admits only clients
+whose public key is in its allow-list directory, so a peer without an allowed key
+never completes a handshake and none of its messages reaches the broker.
 
-Key layout, as ``python -m distill mode=keys`` writes it (see :func:`create_keys`)::
+Each broker socket has a ZAP domain of its own (``distill.<socket>``); a key issued for
+a role (``create_keys(..., roles=...)``, in the public key file's metadata) is admitted
+only on that role's sockets (:data:`ROLE_SOCKETS`), a key without a role on every
+socket. Secret files must be private to the user (no group/other permission bits): a
+key anyone can read authenticates anyone.
 
-    <keys_dir>/                 0700
-      server.key                public key of the broker   -> every machine
-      server.key_secret         the broker's secret (0600) -> the broker's machine only
-      clients/                  the broker's allow-list: every public ``*.key`` in it is admitted
-        <name>.key              public key of a client     -> the broker's machine
-        <name>.key_secret       its secret (0600)          -> the machine of that client only
-
-Secret files must be private to the user (no group/other permission bits): a key
-anyone can read authenticates anyone.
-
-Roles: a client key may be issued for a role (``create_keys(..., roles=...)`` writes it
-into the public key file's metadata, ``role = worker``). Each broker socket has a ZAP
-domain of its own (``distill.<socket>``), and a key with a role is admitted only on the
-sockets of that role (:data:`ROLE_SOCKETS`): a worker's key cannot switch the model or
-ask for samples, a student's key cannot take work. A key without a role (keys made
-before roles, or one key shared by every process) is admitted on every socket.
+The key layout :func:`create_keys` writes (``python -m distill mode=keys``), which file
+goes to which machine, and the roles: docs/security.md, sections Authentication
+(CurveZMQ) and Leaders, roles and numbers (issue 37).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Where ``BatchConfig.encode`` writes while a worker's ``generator_fn`` runs.
 
-Why: the seed README's worker returns ``config.encode(x=..., y=...)``, bytes that the
-worker then copies into the student's slot. For large samples those are two full
-passes over every sample on top of the generator's own work (4 MiB: the README worker
-ran at 0.40 of a ``batch_fn`` worker that writes into the slot, ``bench/pipeline.py
---defaults``; 0.60 with this). So while the worker calls ``generator_fn`` for one slot,
-that slot's payload is *open* here, and the first ``encode`` of a sample of at least
-``ENCODE_INTO_MIN_BYTES`` that fits writes the sample's bytes straight into it (the same
-bytes, converted as ``encode`` converts) and returns a read-only ``memoryview`` of what
-it wrote instead of new ``bytes``. The worker sees the generator return that very view
-and has nothing left to copy.
+While the worker calls ``generator_fn`` for one slot, that slot's payload is *open*
+here, and the first ``encode`` of a sample of at least ``ENCODE_INTO_MIN_BYTES`` that
+fits writes the sample's bytes straight into it (the same bytes, converted as
+``encode`` converts) and returns a read-only ``memoryview`` of them instead of new
+``bytes``; the worker sees that very view come back and has nothing left to copy.
 
-What the generator gets is bytes-like (``len``, slicing, ``bytes(...)``, comparison,
-hashing) and holds the sample, but it *is* the slot: it is released when the
-generator returns, so keeping it for a later call fails loudly (the worker fails that
-slot saying so) instead of handing out a slot the student has since reused. A
-generator that needs to keep the bytes takes ``bytes(data)``. Later ``encode`` calls of
-the same call, smaller samples, other threads and code outside a worker get ``bytes``
-as before.
+The view is bytes-like (``len``, slicing, ``bytes(...)``, comparison, hashing) but it
+*is* the slot: it is released when the generator returns, so keeping it for
+a later call fails loudly (the worker fails that slot saying so) instead of handing
+out a slot the student has since reused. Later ``encode`` calls of the same call,
+smaller samples, other threads and code outside a worker get ``bytes`` as before. See
+docs/pipeline.md, section The Python API; figures in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A run's leader secret, kept on disk so that a restarted leader is still the run's leader.
 
-The broker binds a run to the secret of the first leader that sets its model
-(``broker/control.py``) and refuses the run's later SET_MODELs and STOPs without it. A
-leader that made a fresh secret on every start would be refused after a crash and
-restart (until the broker forgets the run, ``run_grace_s`` after its last peer), and a
-supervisor could not stop the run's workers. So a job's leader reads the secret from a
-file that the first start created: private to the user (a 0600 file in a 0700
-directory; anyone who can read it leads the run), one file per run id.
-
-The file is made whole before it gets its name (written under a temporary name, then
-linked), so a rank that reads it while another creates it never sees half a secret.
+One file per run id, private to the user (a 0600 file in a 0700 directory: anyone who
+can read it leads the run), created by the job's first start and read by every later
+one. The file is made whole before it gets its name (written under a temporary name,
+then linked), so a rank that reads it while another creates it never sees half a
+secret. Why: docs/security.md, section Leaders, roles and numbers (issue 37).
 """
 
 from __future__ import annotations

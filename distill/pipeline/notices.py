@@ -1,59 +1,26 @@
-"""Direct completion notices: a worker tells a student on its machine "filled" itself.
+"""Direct completion notices and request lanes: the Unix datagrams between a worker and
+the students on its machine, past the broker.
 
-The broker's round trip for one batch of slots is four ZeroMQ hops (REQUEST, WORK,
-DONE, COMPLETE) through three processes, each hop waking a ZeroMQ I/O thread on
-both ends. For large samples on few cores those wake-ups, not the copy, decide how
-many slots must be in flight, and a ring that fits the CPU cache then starves
-(README, "Transport"). This module takes the last two hops off the critical path
-for workers that write a student's shared memory:
+A student with a shared-memory medium binds an *inbox* named after its segment in the
+private (0700) socket directory (``endpoints.runtime_dir``, or the ``notice_dir`` both
+sides are given); a worker that committed slots of that segment sends it one datagram
+per (segment, generation), a COMPLETE body ``{"generation": g, "slots": [[slot,
+request_id, true], ...]}``, then names the segment in ``DONE.notified``. A worker's
+*lane* (``<peer_id>.lane``) takes the students' DIRECT requests the other way.
 
-- A student whose medium is shared memory binds a Unix datagram socket (its
-  *inbox*) named after its segment, in a private socket directory (mode 0700:
-  only this user can send to it): ``endpoints.runtime_dir``, or the ``notice_dir``
-  the student and its workers are both given (the app: ``pipeline.socket_dir``).
-- A worker that has written and committed slots of such a segment sends the
-  student one datagram per (segment, generation): a COMPLETE body,
-  ``{"generation": g, "slots": [[slot, request_id, true], ...]}``, with no I/O
-  thread on either side, then says DONE to the broker with ``notified`` naming the
-  segments it reached. The broker does its bookkeeping (credit, dedupe, stats,
-  DISCARDED for stale work, failures) and sends COMPLETE only for what was not
-  notified.
+Invariants to keep when editing:
 
-A notice is only ever a hint that gets the same checks as the broker's COMPLETE
-(pending slot with that request id, header of that generation and request id),
-so a late, repeated or forged notice is refused like a foreign COMPLETE. Failed
-and stale slots are never notified: they still go through the broker. A notice
-that cannot be sent (no inbox: another machine, another socket directory, a
-network-medium student, a student gone; or its queue is full: the kernel holds at
-most ``net.unix.max_dgram_qlen`` datagrams per inbox, often 10) costs nothing but
-the fallback: the worker does not list that segment, and the broker completes it.
+- a notice is only a hint: it gets every check of the broker's COMPLETE, so a late,
+  repeated or forged one is refused; failed and stale slots are never notified, and a
+  notice that cannot be sent is left to the broker (the segment is not listed);
+- a worker fills a DIRECT only for a run and generation whose model the broker gave it,
+  and answers everything else DECLINED; it keeps an answer it cannot deliver now and
+  retries it for ``ANSWER_RETRY_S`` (the broker cannot complete a fill it never
+  dispatched);
+- a student never asks the broker for a slot a live worker holds by a DIRECT, not even
+  after a broker restart (two writers could race on it).
 
-Direct requests (the *lane*) take the broker off the other half of the round trip.
-A worker binds its own datagram socket (``<peer_id>.lane``, same directory) and names
-it, with its process token, in the notices of WORK of runs not opted in to fan-out. When the
-student gives such a slot back it sends the REQUEST for it (a DIRECT datagram, with
-the same request id rules) straight to that worker. The rules that keep delivery
-exact with no broker watching:
-
-- The worker fills a DIRECT only for a run and generation whose model it holds (from
-  the broker's last plain WORK of that run), only when no broker WORK waits on its
-  socket (the broker's students keep their share), and answers with a notice as
-  usual. Anything else it answers DECLINED; so does a worker that stops, for every
-  DIRECT still queued (it removes its lane's file first, so no new one arrives).
-- A student sends a slot through the broker instead, with the same request id, when
-  the lane is gone or full (the datagram was not queued), when the worker declined,
-  and when the worker's process is gone (its token no longer runs): in each case no
-  one will write that slot. It never asks the broker for a slot a live worker holds
-  by a DIRECT, not even after a broker restart (two writers could race on it).
-- A worker the broker gives up on (missed heartbeats: frozen, or hung) may still be
-  alive: the broker's QUARANTINE says ``direct`` for its process, and the student
-  quarantines the slots it holds by DIRECT, asks for their request ids in other slots
-  and sends it no more DIRECTs. Its late answer to each (notice or DECLINED) brings
-  that slot back into use; so does its process ending.
-- A worker that cannot answer a DIRECT now (the inbox's queue is full, or its file is
-  gone) keeps the answer and tries again for ``ANSWER_RETRY_S``: the broker cannot
-  complete a fill it never dispatched. A student whose inbox file vanished (a cleaner
-  of the socket directory) binds it again at its next heartbeat, and gets them.
+See docs/pipeline.md, sections Notices and Direct requests.
 """
 
 from __future__ import annotations

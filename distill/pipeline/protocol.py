@@ -3,7 +3,8 @@
 This is the only module that knows about frames and msgpack. Everything that
 crosses a socket is built by :func:`encode` and checked by :func:`decode`, which
 raises :class:`ProtocolError` (never ``AssertionError``) so that a peer sending
-garbage is logged and answered, and the receiver keeps serving.
+garbage is logged and answered, and the receiver keeps serving. A change a peer of
+the previous version would refuse or misread bumps :data:`PROTOCOL_VERSION`.
 
 Frames of one message (after the ROUTER identity frame, when there is one)::
 
@@ -45,58 +46,24 @@ DONE can carry hundreds of slots cheaply:
     WORK.runs      [[run_id, generation, num_items], ...]  (fan-out only, see below)
     WORK.copies    [[item_idx, source_item_idx], ...]      (fan-out only)
 
-Workers count what they filled for DIRECT requests (which the broker never sees) in
-READY and HEARTBEAT: ``direct`` maps a run id to ``[filled, failed]`` slots so far,
-from which the broker's statistics add what is new. The broker's HEARTBEAT answers
-carry its ``interval_ms``: a peer that beats more slowly speeds up to it (a student
-served by direct requests sends the broker nothing but beats). A worker's HEARTBEAT
-also carries its ``backlog`` (DIRECT slots taken and not yet answered: work the broker
-never sees, so it hands its own WORK to the least loaded worker); the broker's answer
-to a student carries ``workers``, how many live workers it has (a student splits its
-direct requests among that many, ``custody.direct_share``). A worker's HEARTBEAT
-says as well how many batches it has finished so far (``batches``): a worker that holds
-DIRECT work and whose count stands still past its deadline is stuck in its batch
-function (``broker/deadline.py``).
+Heartbeats carry what the broker cannot see itself:
 
-A worker that stops answering may still be writing into the slots it was given
-(frozen, not dead). Its slots are not handed to anyone else: the broker sends the
-student QUARANTINE (with the worker's process token, see ``liveness.process_token``),
-and RELEASE when the worker's late DONE proves it is done with them; the student
-also frees them itself once that process is gone. The broker never sees DIRECT
-requests, so its QUARANTINE for a silent worker also says ``direct``: "and the
-slots you asked of this process directly"; the student quarantines those too and
-frees each when that worker's late answer to it (notice or DECLINED) comes.
-SET_MODEL carries the run's leader secret and the leader's epoch (``broker/control.py``):
-the first SET_MODEL of a run the broker has no leader for binds the run to a hash of
-that secret, and every later SET_MODEL or STOP of the run must carry it. An epoch or a
-generation in a message is the run's current one or the next, never more: epoch 0 means
-"a new leader process: take over at the next epoch", and MODEL_SET says which epoch the
-leader holds now. A switch also carries ``min_generation`` (the leader's newest
-generation + 1): the new model's generation is above both the run's and that, so a
-broker that restarted (and counts from 0 again) never gives a new model an older model's
-number; a restore (``restore_generation``) puts the leader's model back at its own
-number, which only the claim of a run the broker has no leader for may do.
+    worker HEARTBEAT, READY  direct {run_id: [filled, failed]} (DIRECT fills so far),
+                             backlog (DIRECT slots held); HEARTBEAT only: batches
+                             (batches finished, ``broker/deadline.py``)
+    broker's answers         interval_ms (peers beat at least this often); to
+                             students: workers (live workers, ``custody.direct_share``)
 
-Fan-out (opt-in, ``SET_MODEL.share_model``): runs that declare the same model
-(equal ``model_id`` and ``model_cfg``) may be served by one WORK. Its ``runs``
-field cuts ``items`` into consecutive groups, each of its own run and generation
-(the top-level ``run_id``/``generation`` are those of the first group), and
-``copies`` says which items get the very sample made for another item (its
-*source*, never itself a copy): the worker computes each source once and copies
-its payload into every copy's slot, whose header still carries the copy's own
-request id and generation. A WORK without ``runs`` is the plain, one-run WORK; one of
-an opted-in run says ``shared``, and its worker offers no direct requests for it (they
-would bypass the broker, which could then never share that run's samples).
+A fan-out WORK (``SET_MODEL.share_model``) cuts ``items`` into consecutive groups,
+one per ``runs`` entry, each with its own run and generation (the top-level
+``run_id``/``generation`` are the first group's); ``copies`` names the items that get
+another item's sample (its *source*, never itself a copy), each header still carrying
+its own request id and generation. A WORK without ``runs`` is the plain one-run WORK;
+one of an opted-in run says ``shared``, and its worker offers no direct requests for it.
 
-Replies are bounded (``broker/service.py``): no small request buys a large answer. A
-WELCOME carries the run's ``model_cfg`` once per connection and model: it always says the
-cfg's ``model_digest`` (:func:`cfg_digest`), and leaves the cfg itself out when this
-connection was already sent the cfg of that digest for the run (the client keeps its copy,
-``student/pool.py``). STATS_REPLY names at most STATS_TOP_RUNS runs in ``per_run`` (the busiest,
-plus the run STATS.run_id names; ``runs`` counts them all), from a snapshot rebuilt at most
-so often. The broker queues at most BROKER_REPLY_HWM unread replies per student or leader
-connection; a reply that does not fit is dropped (STATS ``dropped_replies``) and the
-connection's students are forgotten, as if they had missed their heartbeats.
+What the messages mean: docs/pipeline.md (sections Flow, Notices, Direct requests,
+Faults, Limits); leader secrets, epochs and bounded replies: docs/security.md
+(sections Leaders, roles and numbers; Bounded replies).
 """
 
 from __future__ import annotations

@@ -1,26 +1,19 @@
 """Defaults that depend on the sample size: a student's ring and a worker's batch.
 
-A bare slot count is the wrong unit: 16 slots are 64 KiB of 4 KiB samples (the ring
-runs dry between two notices) and 64 MiB of 4 MiB ones (every slot is cold in cache
-by the time it is read). So an argument left out (``slot_count=None``,
-``max_batch=None``) is chosen from the sample's bytes (``BatchConfig.nbytes()``) and
-the machine's last-level cache, and the choice is logged once per process at INFO:
+An argument left out (``slot_count=None``, ``max_batch=None``) is chosen from the
+sample's bytes (``BatchConfig.nbytes()``) and the machine's last-level cache, and the
+choice is logged once per process at INFO:
 
 - the ring: ``RING_CACHE_FRACTION`` of the last-level cache, at most ``MAX_RING_BYTES``
   (the cache is shared by every rank and DataLoader worker of the node), in slots,
-  between ``MIN_SLOTS`` and ``MAX_SLOTS``: 4 KiB samples get thousands of slots, so one
-  notice carries many; 4 MiB samples a few, still in cache when the student reads them
-  (a sample that crosses DRAM between the worker's write and the student's copy costs
-  about twice the memory traffic: ``docs/benchmarks.md``, "Direct requests by ring size");
+  between ``MIN_SLOTS`` and ``MAX_SLOTS``;
 - a worker's batch: ``WORKER_BATCH_BYTES`` of samples per call of the sample function,
-  between 1 and ``MAX_WORKER_BATCH`` slots (the cost of a batch is spread over its
-  samples; it is not only messages: a worker that stops and waits between small batches
-  finds its own buffers and the ring cold again when it resumes).
+  between 1 and ``MAX_WORKER_BATCH`` slots.
 
-Arguments given explicitly are used exactly as given. A ring given far smaller than the
-one distill would choose (``SMALL_RING_FRACTION``) is still used, with one warning that
-says so and what to change: the seed README's ``slot_count=8`` is 32 KiB of 4 KiB samples,
-which runs 3-8x slower than the chosen ring (``bench/pipeline.py --defaults``).
+Arguments given explicitly are used exactly as given; a ring given smaller than
+1 / ``SMALL_RING_FRACTION`` of the one distill would choose is used, with one warning.
+The resulting sizes: docs/pipeline.md, section The Python API; why a count of slots is
+the wrong unit: docs/benchmarks.md, section Direct requests by ring size.
 """
 
 from __future__ import annotations

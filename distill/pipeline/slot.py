@@ -1,14 +1,11 @@
 """The slot header and the segment header: what makes a filled slot checkable.
 
-Every slot of every medium starts with a fixed 64-byte header. The student that owns
-the slot writes its last 8 bytes (``fill``: the request id it asked for) when it asks
-for the slot to be filled, zeroing the rest; a worker writes ``claim`` (its writer id)
-*before* it writes the payload, and the commit fields (magic ... ``writer``) *after*
-it (so a header that checks out means the payload before it is complete). The
-student accepts the slot only when magic, version, generation, request id and length
-are exactly what it asked for, and the commit is the claimed writer's
-(``writer == claim``, ``fill == request_id``). A stale (old generation), foreign (other
-request), torn (not committed) or unclaimed slot is never yielded.
+Every slot of every medium starts with a fixed 64-byte header. The student writes
+``fill`` (the request id it asks for) when it asks, zeroing the rest; a worker writes
+``claim`` *before* the payload and the commit fields *after* it, so a header that
+checks out means the payload before it is complete. A slot is accepted only when its
+commit is exactly what was asked for and is the claimed writer's (``writer == claim``,
+``fill == request_id``). See docs/pipeline.md, section Flow.
 
 Byte layout of one slot (little endian)::
 
@@ -27,10 +24,9 @@ Byte layout of one slot (little endian)::
     64      ...   payload      payload_len bytes (the BatchConfig encoding)
     ...           padding      up to the slot stride (a multiple of SLOT_ALIGN)
 
-The claim is the slot's *one writer*: a worker claims a slot only while ``fill`` is its
-request id and no other live writer claims it, and commits only while its claim and
-that fill still stand (see ``worker/claims.py``). A student reads the claim to tell a
-slot someone may be writing (leave it alone) from one nobody will (ask again).
+The claim is the slot's *one writer* (rules in ``worker/claims.py``): a student reads
+it to tell a slot someone may be writing (leave it alone) from one nobody will (ask
+again).
 
 Behind the last slot of a shared-memory segment the owner writes a *segment header*
 (:class:`SegmentHeader`, 64 bytes) with the slots' geometry: a worker takes the slot

@@ -1,14 +1,10 @@
 """The workers' socket: READY, DONE, HEARTBEAT, BYE, ERROR; and the workers' liveness.
 
-A worker that misses its heartbeats, whose oldest WORK is past its deadline, or that
-holds DIRECT work and has finished no batch within its deadline (``deadline.py``: its
-heartbeat thread beats on while its batch function hangs), may
-be frozen rather than dead and resume writing later, so its in-flight slots are never
-handed to another worker: the students are told QUARANTINE (with the worker's process
-token) and re-issue those request ids in other slots; the broker sends RELEASE when
-the worker's late DONE shows it has finished with them, and a student frees them
-itself once the worker process is gone. A worker that says BYE has finished writing,
-so its unstarted work is simply re-queued.
+A worker that misses its heartbeats or its deadline (``deadline.py``) may be frozen
+rather than dead, so its in-flight slots are never handed to another worker: the
+students are told QUARANTINE (with its process token) and RELEASE once its late DONE
+shows it is done. A worker that says BYE has finished writing, so its unstarted work
+is simply re-queued. See docs/pipeline.md, section Faults.
 
 Numbers a worker sends are capped where they are read (``limits.worker_credit``,
 ``limits.worker_batch``); credit a DONE returns never lifts a worker above the credit

@@ -1,22 +1,13 @@
 """The leaders' socket: SET_MODEL and STOP (STATS is the service's).
 
 A run's leader is whoever holds the run's secret, never whoever sends the larger
-number. The leader makes the secret at its start (``StudentClient.leader_secret``);
-the first SET_MODEL of a run that has no leader on this broker (a new run, or one this
-broker lost by restarting) *claims* it: the run keeps a hash of the secret, and every
-later SET_MODEL or STOP of the run that does not carry it is refused. A leader uses a
-short-lived connection per command, so commands are bound by the secret, not by a
-connection.
-
-Numbers in a leader's message move the run by one step at most (``Control._step``): its
-epoch is the run's current one or the next (0: "a new process of the leader, take
-over at the next"), a switch's ``min_generation`` and a restore's
-``restore_generation`` at most the run's generation + 1. Only a claim adopts the
-leader's own numbers (a restarted broker counts from 0; the leader's model must get
-its own generation back), and a claim's generation is bounded by
-``MAX_CLAIMED_GENERATION``. A ``model_cfg`` is within the protocol's depth and size
-(``decode``), the broker's ``max_model_cfg_bytes``, and what all runs may keep together
-(``max_retained_cfg_bytes``); a refused SET_MODEL leaves the run as it was.
+number: the first SET_MODEL of a run without a leader on this broker *claims* it (the
+run keeps a hash of the secret), and every later SET_MODEL or STOP without the secret
+is refused. Numbers in a leader's message move the run by one step at most
+(``Control._step``); only a claim adopts the leader's own numbers, its generation
+bounded by ``MAX_CLAIMED_GENERATION``. A ``model_cfg`` is bounded by ``decode``,
+``max_model_cfg_bytes`` and ``max_retained_cfg_bytes``; a refused SET_MODEL leaves the
+run as it was. See docs/security.md, section Leaders, roles and numbers (issue 37).
 """
 
 from __future__ import annotations

@@ -1,27 +1,20 @@
 """How long a worker may take: measured batch times, and the deadlines derived from them.
 
-A worker's heartbeats come from a thread of their own, so a worker whose batch
-function hangs (a deadlocked teacher, a wedged GPU) still beats and would hold its
-slots for ever. The broker therefore times two things, and past the deadline the
-worker is quarantined exactly like one that missed its heartbeats:
+A worker's heartbeats come from a thread of their own and beat on while its batch
+function hangs, so the broker times two things and quarantines a worker past either
+deadline exactly like one that missed its heartbeats:
 
-- each worker's oldest in-flight WORK: from its sending, or from the worker's last
-  DONE if that came later (a worker does its WORKs in order, so the next one only
-  starts then) (:meth:`BatchClock.overdue`);
-- the DIRECT work students gave it past the broker, which the broker never sees: a
-  worker's heartbeats say how many batches it has finished (``batches``) and how many
-  DIRECT slots it holds (``backlog``); one that holds DIRECT slots and whose count has
-  not moved for longer than the deadline of its model is stuck in its batch function
-  (:meth:`BatchClock.stalled`).
+- each worker's oldest in-flight WORK, from its sending or from the worker's last DONE
+  if that came later (a worker does its WORKs in order) (:meth:`BatchClock.overdue`);
+- a worker that holds DIRECT slots (``backlog``) and whose finished ``batches`` count
+  has not moved for longer than its model's deadline (:meth:`BatchClock.stalled`).
 
-The deadline is ``work_timeout_s`` when set; otherwise WORK_TIMEOUT_FACTOR times the
-slowest of the last few batches of the WORK's model (a deeper layer takes longer, so
-each model is measured on its own), at least WORK_TIMEOUT_MIN_BEATS heartbeats. A
-worker's *first* batch of a model may load weights or compile kernels, so it is
-allowed WORK_TIMEOUT_FACTOR times the slowest first batch any worker of the run was
-measured to take (of any model of the run: a layer switch, a worker that joins late),
-and no less than a later batch; ``first_work_timeout_s`` only bounds a first batch
-while nothing of the run or the model was measured yet.
+Each model is measured on its own (a deeper layer takes longer), and a worker's first
+batch of a model (weights to load, kernels to compile) is measured against the run's
+slowest first batch. The deadline formula
+(``WORK_TIMEOUT_FACTOR``, ``WORK_TIMEOUT_MIN_BEATS``, ``work_timeout_s``,
+``first_work_timeout_s``): docs/pipeline.md, section Direct requests ("A worker that
+hangs on the direct path").
 """
 
 from __future__ import annotations

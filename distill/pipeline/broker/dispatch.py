@@ -1,35 +1,23 @@
 """Dispatch: queued slots into WORKs for workers with credit; finished WORKs into answers.
 
-Workers get credit-based flow control: READY says how many slots a worker can hold
-(absolute, capped by ``max_worker_credit``), each WORK spends credit, each DONE
-returns it. WORKs hold slots of one run (one model), up to the worker's ``max_batch``
-(at most ``MAX_WORK_ITEMS``); runs are served round robin. Each WORK goes to the
-least loaded worker: the most credit, less the DIRECT slots its last heartbeat said it
-holds (``backlog``: students' direct requests, which spend no credit here).
+Invariants to keep when editing:
 
-A run's slots are spread over the workers that can take them (``spread``): a worker
-gets at most its fair part of what the run has queued and in flight with us, so a
-student's first request, sent when every worker is idle, is split among all of them.
-Sent whole to the first, that worker would fill every slot, and the slot's lane
-(``student/custody.py``: a filled slot goes back straight to its filler) would keep the
-others idle; split, each worker fills a share and keeps it while it keeps up.
+- credit: READY says how many slots a worker can hold (absolute, capped by
+  ``max_worker_credit``), each WORK spends credit, each DONE returns it (a shared WORK
+  spends one credit per sample computed);
+- a WORK holds slots of one run (one model) up to the worker's ``max_batch`` (at most
+  ``MAX_WORK_ITEMS``), runs are served round robin, and each WORK goes to the least
+  loaded worker (credit less its reported DIRECT ``backlog``), at most its fair part of
+  the run's slots (``spread``);
+- a slot is stamped with the run's *current* generation when it is handed out and
+  completed only if that generation is still current, else DISCARDED;
+- a fan-out WORK is kept as one part per run, each with its own generation, so a
+  switch in one run discards only that run's part;
+- a WORK is encoded before any state changes: one that could not be sent leaves its
+  slots queued where they were (and the error to the loop's guard).
 
-A request carries no generation of its own beyond "at least this one": the broker
-stamps the run's *current* generation when it hands the slot to a worker, and
-completes a slot only if that generation is still current; otherwise the student is
-told DISCARDED and asks again. So a switch never strands a slot, and nothing of an
-older generation is ever completed after ``SET_MODEL`` was answered.
-
-Fan-out (opt-in per run, ``SET_MODEL.share_model``): runs with the same model (equal
-``model_id`` and ``model_cfg``) that all opted in are served together. One WORK takes
-up to ``max_batch`` queued slots of *each* such run, and the j-th slot of every run
-gets the same sample (WORK.copies), so the teacher computes each sample once for all
-of them. A run with fewer queued slots simply gets fewer copies. Such a WORK is kept
-as one part per run, each with its own generation, so a switch in one run discards
-only that run's part. A shared WORK spends one credit per sample computed.
-
-A WORK is encoded before any state changes: a WORK that could not be sent leaves its
-slots queued where they were (and the error to the loop's guard).
+See docs/pipeline.md, sections Flow and Direct requests ("Load that follows the
+workers"); fan-out: docs/cluster.md, section Fan-out.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """STATS answers: what one STATS costs the broker is the same for 1 run or 1,000.
 
-A snapshot walks the tables (every run, every worker's work in flight), and a STATS
-flood used to have one built, copied and packed per message: with 1,000 runs a STATS
-cost 55-90 ms and reached 61 KB, and two connections asking without pause cut the
-samples through the broker from 1,928 to 36 per 3 s. So
-
 - the answer's ``per_run`` names the ``protocol.STATS_TOP_RUNS`` busiest runs
   (``BrokerState.snapshot``), plus the run a STATS names (``STATS.run_id``);
 - the encoded answer is kept and rebuilt only once it is older than REBUILD_FACTOR times
-  what building it took: however fast STATS come, building takes at most 1 /
-  REBUILD_FACTOR of the broker's time, and an answer is as old as a few builds (a
-  fraction of a millisecond on a small broker, tens of them with 1,000 runs);
+  what building it took, so building takes at most 1 / REBUILD_FACTOR of the broker's
+  time however fast STATS come;
 - a STATS is handled within the ingress' share for dear messages, charged to its sender
   (``ingress.py``).
+
+Why, with the figures: docs/security.md, section Bounded replies (issue 37).
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Runs and their queues: the only code that moves slots in or out of a run's queue.
 
 State per run (``RunState``): model, generation, and the requested slots: one FIFO per
-student connection, served round robin, so a student that queues thousands of slots
-(a flood, or just a big pool) does not make the one behind it wait for all of them.
-Every change to a queue goes through :class:`RunTable`, which keeps three counts in step
-with it: the run's ``queued``, the broker's total, and each connection's (its
-``Connection.queued``), so the limits never sum over tables and no count drifts from
-the queues it describes. The table also keeps what the runs' ``model_cfg`` weigh
-together (``retained_cfg_bytes``), bounded by ``max_retained_cfg_bytes``.
+student connection, served round robin. Every change to a queue goes through
+:class:`RunTable`, which keeps three counts in step with it: the run's ``queued``, the
+broker's total, and each connection's (its ``Connection.queued``), so the limits never
+sum over tables and no count drifts from the queues it describes. The table also keeps
+what the runs' ``model_cfg`` weigh together (``retained_cfg_bytes``), bounded by
+``max_retained_cfg_bytes``.
 
-Fair shares: a run asking for slots may queue at most its share of ``max_queued`` (the
-limit over the number of runs with slots queued, its own counted), and a connection at
-most its share of its run's (over the run's connections with slots queued). A run or a
-connection under its share that finds no room left takes it back from those over theirs
-(:meth:`RunTable.make_room`, newest slots first): the slots taken back are answered to
-their owners as refused, to be asked for again. So free connections asking for a run
-nobody serves hold at most one run's share, however many they are.
-
-A run holds its entry only while it has live peers (:meth:`RunTable.forget_abandoned`):
-a student of the run, a WORK of it in flight, or its leader's heartbeats. One without
-any for ``run_grace_s`` is forgotten, and one that never had a live peer (a SET_MODEL
-alone) gives its entry up at once to a new run when the table is full: runs made up by
-a peer cannot keep ``max_runs`` filled and refuse every run to come.
+Fair shares of ``max_queued`` (taken back by :meth:`RunTable.make_room`, newest slots
+first) and runs forgotten without live peers (:meth:`RunTable.forget_abandoned`): see
+docs/pipeline.md, section Limits, and docs/security.md, section Fair shares of the
+broker's queue (issue 37).
 
 :class:`RequestLedger` remembers which slot requests are outstanding or were just
 answered, so that a repeated REQUEST (a student re-asking after our restart while its

@@ -6,15 +6,12 @@ dead and overdue peers are purged. The loop is unbreakable: a handler or dispatc
 step that raises is logged with the peer, its message dropped and counted (STATS
 ``errors``), and the broker serves on.
 
-Serving peers fairly (``ingress.py``): small messages are handled as they come, large
-ones (which may cost milliseconds to unpack) parked per peer and handled round robin
-within a share of the broker's time; each socket is read for a bounded time per pass,
-so a flood on one socket cannot starve the others (workers' DONEs, STATS, a leader's
-SET_MODEL). What one peer can park in the broker's memory is bounded: BROKER_RCVHWM
-messages of at most BROKER_MAX_MESSAGE_BYTES in ZeroMQ, MAX_PARKED_BYTES in ours.
-What it can make the broker send back is bounded as well: every reply is small or
-bounded (STATS from ``report.py``), replies to students and leaders never wait, and a
+Peers are served fairly (``ingress.py``) and each socket is read for a bounded time
+per pass, so a flood on one socket cannot starve the others (workers' DONEs, STATS, a
+leader's SET_MODEL). What one peer can make the broker hold or send is bounded: BROKER_RCVHWM messages of at most BROKER_MAX_MESSAGE_BYTES in
+ZeroMQ, MAX_PARKED_BYTES in ours; replies to students and leaders never wait, and a
 connection that leaves BROKER_REPLY_HWM of them unread is dropped (``_drop_deaf``).
+See docs/pipeline.md, section Limits.
 """
 
 from __future__ import annotations

@@ -5,17 +5,13 @@ by a 64-byte segment header (``slot.py``: the slots' geometry, the sample size, 
 random nonce); workers map it by name and write samples straight into its slots,
 taking the geometry from that header, never from a request.
 
-Ownership and hygiene:
+Ownership and hygiene, which every change here must keep:
 
-- Segments are named ``dst_<run>_<pid>_<token>`` so a worker can refuse names that are
-  not ours, and are created 0600 (private to the user) with ``O_EXCL``. ``<token>`` is
-  random (40 bits from ``secrets``): another local user cannot squat the names a
-  student will take (files planted under them would fail its ``O_EXCL`` create), and a
-  generated name found taken anyway is given up for another one, up to
-  ``_CREATE_ATTEMPTS`` names (:func:`_create`). ``<run>`` is the run id's first
-  ``RUN_NAME_CHARS`` letters and digits: a name stays within 30 characters
-  (``MAX_NAME_CHARS``; macOS refuses shm names over 31 with the leading ``/``) for any
-  pid up to 7 digits.
+- Segments are named ``dst_<run>_<pid>_<token>`` (``<token>`` random, so the names a
+  student will take cannot be squatted; at most ``MAX_NAME_CHARS``), created 0600 with
+  ``O_EXCL``; a name found taken is given up for another, up to ``_CREATE_ATTEMPTS``
+  (:func:`_create`). Why: docs/security.md, section Other users' files and hostile
+  students.
 - The creator takes an ``flock`` on the segment the moment it exists and holds it for
   the segment's whole life. The kernel drops it when the owner dies, however it dies,
   so :func:`sweep_orphans` can tell a leftover segment (lock free) from a live one
@@ -31,10 +27,9 @@ Ownership and hygiene:
   ``multiprocessing.resource_tracker``: attaching processes neither unlink nor warn
   about segments they do not own.
 - An attached segment keeps its file open, so :meth:`AttachedSegment.current` can tell
-  when the name no longer refers to the mapped file (the owner unlinked it, maybe
-  while a new owner of the same name created another): a stale mapping is never
-  written; and :meth:`AttachedSegment.intact` can tell when the owner shrank the file
-  under the mapping (a write past its new end would be a SIGBUS in the worker).
+  when the name no longer refers to the mapped file (a stale mapping is never
+  written), and :meth:`AttachedSegment.intact` when the owner shrank the file under the
+  mapping (a write past its new end would be a SIGBUS in the worker).
 """
 
 from __future__ import annotations

@@ -8,17 +8,12 @@ bound on TCP. The medium's name, which is all the broker ever routes, says both:
     \\___ data endpoint ___/ \\___ which file, on which kernel ___/
 
 A worker maps the segment only when it is provably the same file (same kernel boot
-id, same device and inode: a same-named segment of another container or machine
-is never touched). Otherwise it fills freshly staged slot buffers and sends them,
-header and payload, in one DATA message per batch (zero-copy for large slots) to the
-data endpoint. The student's :meth:`TcpMedium.receive` copies each one into its
-slot only if that slot is waiting for exactly that request id and the frame is
-exactly one stride long; then the usual COMPLETE path checks the header (magic,
-generation, request id, length, checksum), as for shared memory.
-
-DATA and the broker's COMPLETE travel on different connections, so either can
-arrive first: a COMPLETE whose data is not there yet leaves the slot *awaiting*
-(see ``student/client.py``), not refused.
+id, device and inode); otherwise it sends staged slots in one DATA message per batch,
+which :meth:`TcpMedium.receive` copies into a slot only if that slot waits for exactly
+that request id and the frame is exactly one stride long. DATA and the broker's
+COMPLETE travel on different connections, so a COMPLETE whose data is not there yet
+leaves the slot *awaiting* (``student/slots.py``), not refused. See docs/cluster.md,
+section The network medium.
 
 Who may send DATA. Every data socket authenticates its peers (ZeroMQ's ZAP handler, in
 the student's process) with a random 32-byte *data key* the student draws for each
@@ -29,12 +24,9 @@ any number of parts: only authentication bounds what a stranger can make us hold
 With CurveZMQ on (the pipeline's ``curve``), the data socket is a CurveZMQ server keyed
 by the data key, and the only client key it admits is derived from it
 (:func:`writer_keys`): the samples are encrypted too, and the key never crosses the
-network in clear (CurveZMQ encrypts the broker's sockets). Without CurveZMQ it is a
-ZeroMQ PLAIN server whose password is the data key: strangers are shut out at no cost
-per byte, but like everything on the broker's sockets the key then travels in clear
-(keep such a cluster on its private network). The key never appears in a log line:
-:func:`medium_label` is the name without it. Request ids are random (``student/slots.py``), so
-no one can guess what a slot waits for.
+network in clear. Without CurveZMQ it is a ZeroMQ PLAIN server whose password is the
+data key: the key then travels in clear (keep such a cluster on its private network).
+The key never appears in a log line: :func:`medium_label` is the name without it.
 """
 
 from __future__ import annotations

@@ -3,20 +3,19 @@
 :class:`StudentClient` is one :class:`~distill.pipeline.student.pool.SlotPool` (its slots and its
 socket to the broker's frontend) plus the control path: the leader (rank 0) switches
 the run's model with SET_MODEL and puts it back on a restarted broker; other ranks
-follow the broker's MODEL broadcasts. The client's ``generation_value`` (shared with
-the datasets of the same process tree) only ever moves to a generation the leader
-set: the broker's answer to SET_MODEL, its MODEL broadcast, its WELCOME.
+follow the broker's MODEL broadcasts.
 
-A switch always asks for a generation above every one this client has seen
-(``SET_MODEL.min_generation``): a broker that restarted since restarts its count, and
-without that the new model could get the number of an older one, whose samples are
-still in slots and workers everywhere (they would be taken for the new model's).
+Invariants to keep when editing:
 
-The leader proves it leads with the run's secret (``leader_secret``, made at start):
-the broker binds the run to it at the first SET_MODEL and refuses leader commands
-without it (``broker/control.py``). A leader process that restarts passes the old
-one's secret (``StudentClient(..., leader_secret=old.leader_secret)``) and takes over
-at the next epoch, which the broker tells it (``MODEL_SET.leader_epoch``).
+- ``generation_value`` (shared with the datasets of the same process tree) only ever
+  moves to a generation the leader set: the broker's answer to SET_MODEL, its MODEL
+  broadcast, its WELCOME;
+- a switch always asks for a generation above every one this client has seen
+  (``SET_MODEL.min_generation``): a restarted broker counts from 0 again, and the new
+  model must never get the number of an older one whose samples are still in slots;
+- leader commands carry ``leader_secret``; a restarted leader passes its predecessor's
+  (``StudentClient(..., leader_secret=old.leader_secret)``) and takes over at the next
+  epoch (docs/security.md, section Leaders, roles and numbers (issue 37)).
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ decides what happens when that someone does not come through:
   slots it never claimed are asked for again at once, with new fills, so it can no
   longer write them;
 - a broker restart: the same, for everything the broker held;
-- the lane deadline: a worker asked by DIRECT that has answered nothing (no notice, no
-  DECLINED) for longer than its deadline is given up on as the broker gives up on a
-  worker past a WORK's deadline: the slots it claimed are quarantined, the rest asked
-  for through the broker, and its lane is asked nothing more (``LaneClock``);
+- the lane deadline (``LaneClock``): a worker asked by DIRECT that has answered nothing
+  for longer than its deadline is given up on as the broker gives up on a worker;
 - the pending deadline: a slot PENDING past ``deadline_s()``, once the pool has made
   progress without it (or after ``STALL_DEADLINES`` deadlines without any), is looked
   at once: a commit whose notice never came is taken, a wrong one refused, a live
@@ -23,6 +21,8 @@ decides what happens when that someone does not come through:
 - the fair share: no writer may claim more than ``ceil(slots / max(2, writers seen))``
   of the pool's slots at once (the segment header's ``max_claims``), and no worker may
   hold more than ``ceil(slots / live workers)`` of them by DIRECT (``direct_share``).
+
+See docs/pipeline.md, sections Direct requests and Faults.
 """
 
 from __future__ import annotations

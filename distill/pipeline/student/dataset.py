@@ -6,41 +6,17 @@ its own :class:`SlotPool`: its own shared memory and its own socket, created ins
 ``generation_value`` (from ``StudentClient.generation_value``) is read before each
 yield: nothing older than the newest generation is ever yielded.
 
-Two modes:
+Modes: ``batch_size=None`` (the seed README's) yields one sample per item, small ones
+copied out a chunk at a time and large ones lent (``loans.py``); ``batch_size=B``
+yields ready batches, each sample copied exactly once from its slot into the batch
+and each chunk of slots asked for again as soon as it is copied (the fast path);
+``reuse_batches=True`` writes every batch into the same tensors. ``pin_memory=True``
+gathers batches straight into page-locked memory from torch's caching host allocator,
+which is why it cannot be combined with ``reuse_batches``.
 
-- ``batch_size=None`` (the seed README's): yields one sample per item. Every ready
-  slot, up to half the pool, is taken at once (one datagram each way per chunk, not per
-  sample). Samples under ``loans.LEND_MIN_BYTES`` are copied out a chunk at a time;
-  larger ones are lent: their tensors are views of the slot, which is asked for again
-  when the consumer has let go of them (past half the pool on loan, copies instead).
-  Use the DataLoader's ``batch_size`` to batch.
-- ``batch_size=B``: yields ready-made batches ``{name: Tensor[B, ...]}``; each
-  sample is copied exactly once, from its slot into the batch (one
-  ``index_select`` per tensor for all the slots that are ready). Each chunk of
-  slots is asked for again as soon as it is copied, not when the batch is whole:
-  the workers refill it while the rest of the batch arrives, and a batch may be
-  larger than ``slot_count`` (large samples need not cost ``batch_size`` slots of
-  shared memory). Use ``DataLoader(dataset, batch_size=None)``. This is the fast path.
-- ``batch_size=B, reuse_batches=True``: the same, but every batch is written into
-  the same tensors (a yielded batch is valid until the next one is asked for).
-  Fresh large tensors cost page faults and zeroing (more than the copy itself at
-  256 KiB+ samples); reusing them is the fastest way to fill a training batch, for
-  loops that consume each batch before asking for the next (``num_workers=0``).
-
-``pin_memory=True`` (CUDA only; with ``batch_size=B``, in the training process)
-gathers every batch straight into page-locked memory, so the host-to-device copy
-can be ``non_blocking`` and overlap compute (``distill.train.transfer.DevicePrefetcher`` in the application)
-without the extra copy a DataLoader's pin-memory thread makes. Fresh pinned batches
-come from torch's caching host allocator, which reuses a block only once the copies
-reading it have finished; that is why it cannot be combined with ``reuse_batches``.
-
-``with_meta=True`` adds int64 tensors ``generation``, ``request_id``, ``source`` (which
-pool filled it) and ``fill`` (the pool's consecutive number of that fill: request ids
-are random) to every sample, so a consumer can check or filter them.
-
-Every setting is a field of :class:`DatasetConfig`, given as ``config=`` and/or as the
-keyword arguments of the seed README (and the others above). ``slot_count`` may be left
-out: it is then chosen from the sample's bytes and the CPU cache (``sizing.py``).
+Every setting is a field of :class:`DatasetConfig`, given as ``config=`` and/or as
+keyword arguments; ``slot_count`` left out is chosen by ``sizing.py``. See
+docs/pipeline.md, sections The Python API and GPU paths.
 """
 
 from __future__ import annotations

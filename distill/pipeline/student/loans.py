@@ -1,19 +1,13 @@
 """Samples lent as views of their slots: no copy, and the slot comes back to its pool
 when the last tensor over it is gone.
 
-Why: the seed README's iterator hands out one sample per item, which the consumer
-then copies into its training batch (or the DataLoader's collate does). Copying each
-sample out of its slot first doubles the bytes moved per sample: at 4 MiB the copy
-costs as much as the consumer's own, so the per-sample path ran at half the batched
-one. A lent sample's tensors are views of the slot's payload through a storage of
-their own (an ndarray over the slot, ``torch.frombuffer``), so the loan ends exactly
-when the consumer has let go of every tensor over it, whichever thread lets go (a
+A lent sample's tensors are views of the slot's payload through a storage of their
+own (an ndarray over the slot, ``torch.frombuffer``), so the loan ends exactly when
+the consumer has let go of every tensor over it, whichever thread lets go (a
 DataLoader worker that pickles a sample moves it into shared memory, which lets go
-too); the pool then asks for the slot again.
-
-A consumer that keeps samples (a list, ``DataLoader(batch_size=64)`` collating over
-an 8-slot pool) would hold every slot and stall the workers: at most ``limit`` slots
-(half the pool) are out on loan, and past that samples are copied out of their slots.
+too); the pool then asks for the slot again. At most ``limit`` slots (half the pool)
+are out on loan; past that samples are copied, so a consumer that keeps samples never
+stalls the workers. Why lend: docs/pipeline.md, section The Python API.
 """
 
 from __future__ import annotations

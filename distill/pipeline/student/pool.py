@@ -16,9 +16,8 @@ of it decide about what comes back:
 
 Asking for a fill: a fresh, random request id per fill (``slots.random_request_ids``);
 the slot's header is *asked* (zeroed, its ``fill`` set to that id) before the request
-leaves. A slot a local worker filled last is asked for again straight from that worker
-(a DIRECT datagram on its lane, ``notices.py``), up to that worker's fair share of the
-slots, and through the broker, same request id, when that worker declines or is gone.
+leaves, straight to the local worker that filled it last (DIRECT) within that worker's
+fair share, else through the broker (docs/pipeline.md, section Direct requests).
 
 The hot paths work on many slots per call: headers are checked and asked through one
 NumPy view of the segment's headers, a batch is gathered out of the slots with one

@@ -7,16 +7,16 @@ slot claimed (``claims.py``) before the sample function sees it. A network mediu
 worker cannot map gets a fresh staging buffer per slot instead (sent by
 ``commit.py``). Then the sample function runs once per batch:
 
-- ``generator_fn(model_id, model_cfg)`` (the seed README's, per sample): the bytes it
-  returns are copied into the slot, except a large sample's ``BatchConfig.encode``,
-  which writes straight into the slot while the generator runs (``encode_sink.py``); a mapping name -> tensor it returns instead is
-  checked against ``batch_config`` and each tensor copied straight into the slot's
-  views (``BatchConfig.copy_into``: no ``encode``, no bytes, two passes over every
-  sample fewer). A sample that does not fit, or tensors that are not the config's,
-  fail that slot with the reason; the worker goes on;
+- ``generator_fn(model_id, model_cfg)`` (per sample): returned bytes are copied into
+  the slot (a large ``BatchConfig.encode`` already wrote into it, ``encode_sink.py``);
+  returned tensors by name are checked against ``batch_config`` and copied straight
+  into the slot's views (``BatchConfig.copy_into``). A sample that does not fit, or
+  tensors that are not the config's, fail that slot with the reason; the worker goes on;
 - ``batch_fn(model_id, model_cfg, targets)`` (zero-copy): writes into the targets'
-  views; it may return a ``finish`` callable (copies still in flight), which the
-  worker calls before it commits (see ``loop.py``).
+  views; it may return a ``finish`` callable, which the worker calls before it commits
+  (``loop.py``).
+
+What each path costs: docs/pipeline.md, section The Python API.
 """
 
 from __future__ import annotations

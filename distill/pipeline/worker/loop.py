@@ -1,31 +1,25 @@
 """The worker: receives WORK (batches of slot addresses), fills the slots, says DONE.
 
-Two ways to make samples (``fill.py``): the seed README's per-sample
-``generator_fn(model_id, model_cfg)``, returning bytes or (with ``batch_config``, one
-copy fewer) the sample's tensors by name, or the zero-copy
-``batch_fn(model_id, model_cfg, targets)``, one call per batch, with one
-:class:`SlotTarget` per slot whose ``tensors`` (needs ``batch_config``) or ``payload``
-are writable views straight into the student's memory. A ``batch_fn`` may return a
-``finish`` callable instead of None: the copies are then still in flight (e.g.
-device-to-host on a CUDA side stream), and the worker commits the batch (calls
-``finish``, writes the headers, says DONE) only after it has started the NEXT batch
-waiting on its socket, so the next forward overlaps this copy. With no batch waiting
-it finishes at once; a sample is never late by more than a batch.
+The sample functions (``generator_fn``, ``batch_fn``) are called through ``fill.py``.
+Invariants to keep when editing:
 
-The worker drains every WORK already waiting on its socket (up to ``max_batch`` slots
-of one model) before calling the sample function, so small requests are batched. Each
-item is checked against its segment's own header and its slot claimed before any
-byte of it is written (``segments.py``, ``claims.py``); the payload is written first
-and the header last, only over a claim that still stands (``commit.py``). No more
-than a segment's fair share of its slots is claimed at once: the rest of a batch is
-filled in further calls, before DONE.
+- every WORK already waiting on the socket (up to ``max_batch`` slots of one model) is
+  drained before the sample function is called, so small requests are batched;
+- each item is checked against its segment's own header and its slot claimed before
+  any byte of it is written (``segments.py``, ``claims.py``); the payload is written
+  first and the header last, only over a claim that still stands (``commit.py``); no
+  more than a segment's fair share of its slots is claimed at once, the rest of a
+  batch is filled in further calls, before DONE;
+- a ``finish`` callable returned by a ``batch_fn`` (copies still in flight) is called,
+  and the batch committed, only after the NEXT waiting batch has started, or at once
+  when none waits: a sample is never late by more than a batch;
+- a fan-out WORK (``runs``/``copies``, ``protocol.py``): only *source* items are
+  computed and copied into their copies' slots, each header with its own run's
+  generation; a run stale here gets no header ("stale") while its sources are still
+  computed for the others.
 
-A fan-out WORK (``runs``/``copies``, see ``protocol.py``) holds slots of several runs
-of one model: the worker computes only the *source* items, copies each source's
-payload into its copies' slots, and writes every header with its own run's
-generation; a run whose generation is stale here gets no header ("stale"), while its
-sources are still computed for the other runs that copy them. Students on this
-machine also ask the worker directly (``direct.py``).
+Students on this machine also ask the worker directly (``direct.py``). See
+docs/pipeline.md, sections The Python API and GPU paths.
 """
 
 from __future__ import annotations

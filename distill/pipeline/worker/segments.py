@@ -5,28 +5,16 @@ its owner wrote into it (``slot.py``), never from a request: an item whose strid
 slot index does not match that header is refused, so no REQUEST, WORK or DIRECT can
 make a worker write across a slot boundary of someone's segment. Before each batch it
 asks the kernel whether the mapped file is still the one the name refers to
-(``AttachedSegment.current``): a segment whose owner unlinked it, and whose name a new
-owner may have taken since, is mapped again, never written through the stale map.
+(``AttachedSegment.current``): a stale map is mapped again, never written through.
 
-A student can also shrink its own segment (``ftruncate``) under the mapping; touching
-a mapped page past the file's new end raises SIGBUS, which would end the worker and
-every run it serves. So before each step that touches a segment (its claims, the
-sample function, a deferred batch's ``finish``, the commit; see ``fill.py``,
-``commit.py``, ``loop.py``) the worker asks the kernel for the file's size
-(:meth:`Segments.check_size`, one ``fstat`` on the descriptor it keeps open). A
-segment found shrunk is refused: its items fail with the reason (DONE tells the
-broker, which tells the student), and it is dropped, never written through that
-mapping again (a later request maps the file anew, checked like any other).
-
-What the check leaves open: a shrink in the instant between a check and the write
-that follows it, or while the sample function runs, still faults. Python cannot
-survive a SIGBUS (a handler runs only after the faulting instruction, which faults
-again), and the only race-free way, writing through the descriptor (``pwrite`` cannot
-fault: past the end it grows the file) from private memory, costs a copy of every
-sample, the copy this medium exists to avoid. What is cheap is done: a segment found
-shrunk is grown back to its mapped size before it is dropped
-(``AttachedSegment.restore_size``), so copies already in flight into it (a
-``batch_fn``'s ``finish``) land in the file instead of faulting.
+A student can shrink its own segment under the mapping (a SIGBUS in the worker). So
+before each step that touches a segment (its claims, the sample function, a deferred
+batch's ``finish``, the commit; see ``fill.py``, ``commit.py``, ``loop.py``) the worker
+checks the file's size (:meth:`Segments.check_size`, one ``fstat``); a segment found
+shrunk is refused (its items fail with the reason), grown back to its mapped size so
+copies in flight land in the file (``AttachedSegment.restore_size``), and dropped. What
+this leaves open and why: docs/security.md, section Other users' files and hostile
+students.
 
 Each slot's payload view and decoded tensors are made once, the first time the slot
 is filled, and serve every later fill of that slot. The worker's claims on a segment
