@@ -22,7 +22,8 @@ Side by side in one run, per slot count (4 MiB samples, batches of 4): cold memc
 slot between two processes, no Python pipeline code), the pipeline with every
 REQUEST through the broker (``pipeline/notices``), the pipeline as it runs by default
 (``pipeline/dataset``: direct requests) and the prototype, each with 1 and 2
-producers; ratios to cold memcpy::
+producers; ratios to cold memcpy. ``pipeline/<method>`` are ``bench/pipeline.py``'s cell
+labels (its ``--methods`` names), not module paths::
 
     python bench/direct_lane.py                    # 3, 4, 6, 8, 16 slots; about 5 minutes
     python bench/direct_lane.py --slots 4 --seconds 1

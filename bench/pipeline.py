@@ -43,7 +43,9 @@ Measures, in one run and side by side, how fast samples of 4 KiB, 256 KiB and
   (the defaults; ``distill/pipeline/notices.py``: two datagrams per round trip);
   ``pipeline/notices`` is the dataset with ``direct_requests=False`` (every REQUEST
   through the broker, completions direct: two ZeroMQ hops plus one datagram);
-  ``pipeline/relay`` the dataset with ``notices=False`` (four ZeroMQ hops).
+  ``pipeline/relay`` the dataset with ``notices=False`` (four ZeroMQ hops). These cells
+  are labelled ``pipeline/<method>`` after their ``--methods`` name, not after a module
+  (the student's are ``distill/pipeline/student/dataset.py`` and ``client.py``).
 - ``defaults``: the README's path with every default (``--defaults``): workers with a
   ``generator_fn`` that fills its own tensor and returns ``BatchConfig.encode`` of it
   (large samples: written straight into the slot, ``distill/pipeline/encode_sink.py``)
