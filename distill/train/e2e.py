@@ -2,8 +2,8 @@
 next-token distribution (causal LMs) or on its final hidden state (encoders).
 
 Layer stages train each replacement on the teacher's inputs, so their errors add up once
-all are spliced in. :class:`E2ETrainer` is a :class:`~distill.train.trainer.StageTrainer`
-(same data path, DDP, gradient accumulation, checkpoints and resume) whose model is the
+all are spliced in. :class:`E2ETask` is a task for :class:`~distill.train.trainer.StageTrainer`
+(same data path, DDP, gradient accumulation, checkpoints and resume) whose module is the
 teacher with every trained replacement spliced in (:class:`E2EStudent`) and whose loss is
 the top-k KL of :func:`topk_kl` (plus an optional final-hidden NMSE term), against the
 targets the workers write (:func:`distill.teacher.targets.write_e2e_targets`). Its settings
@@ -50,9 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +71,10 @@ from distill.train.context import (
     is_sharded,
     wrap_for_training,
 )
+from distill.train.counters import StageCounters
 from distill.train.losses import layer_loss
 from distill.train.modules import load_stage_replacements
+from distill.train.stopping import with_budget
 from distill.train.trainer import StageTrainer, train_stage
 from distill.train.validation import Validation
 
@@ -228,20 +228,23 @@ def e2e_student_config(student_cfg: StudentConfig) -> StudentConfig:
         max_tokens_per_stage=None, patience=0, inputs=Inputs.teacher)
 
 
-class E2ETrainer(StageTrainer):
-    """Trains the assembled student on the teacher's top-k log-probabilities (or, for an
-    encoder, its final hidden state)."""
+class E2ETask:
+    """The assembled student trained on the teacher's top-k log-probabilities (or, for an
+    encoder, its final hidden state): a task for :class:`~distill.train.trainer.StageTrainer`."""
 
     validate_at_start = True  # the layer stages' student: kept if the stage does no better
 
     def __init__(self, ctx: StudentContext, stage: Stage) -> None:
-        super().__init__(ctx, stage, e2e_student_config(ctx.cfg.student))
+        self.ctx = ctx
+        self.stage = stage
+        self.planned = e2e_student_config(ctx.cfg.student)
+        self.cfg = with_budget(self.planned, ctx.world_size, ctx.cfg.data.seq_len)
         self.ecfg = ctx.cfg.student.e2e
         self.val_targets: list[torch.Tensor] = []
 
-    def _setup_model(self) -> None:
+    def build(self) -> tuple[nn.Module, nn.Module]:
+        """The teacher with every trained replacement spliced in, wrapped as ``e2e.parallel`` says."""
         ctx = self.ctx
-        torch.manual_seed(self.scfg.seed + self.stage.index)
         replacements = load_stage_replacements(ctx, ctx.stages)
         self.module = E2EStudent(ctx.teacher, replacements, self.ecfg.trainable, self.ecfg.lora_rank,
                                  self.ecfg.lora_alpha, self.ecfg.temperature,
@@ -250,50 +253,46 @@ class E2ETrainer(StageTrainer):
             log.info("end-to-end stage: %s trainable, %d parameters, %s over %d rank(s)", self.ecfg.trainable,
                      self.module.num_trainable(), self.ecfg.parallel, ctx.world_size)
         self.model = wrap_for_training(self.module, ctx, self.ecfg.parallel)
+        return self.module, self.model
 
-    def _earlier_replacements(self) -> dict[int, nn.Module]:
-        return {}  # the student is whole: nothing to build its inputs from
-
-    def _setup_validation(self, frozen: dict[int, nn.Module]) -> None:
+    def prepare(self, start_step: int) -> None:
         """Validation is the student's held-out perplexity (an encoder's: its final-hidden cosine
         against the teacher's, whose targets are computed here once): on the leader, or on every
-        rank when the student is sharded (each rank's forward takes part in gathering the weights)."""
+        rank when the student is sharded (each rank's forward takes part in gathering the weights).
+        The inputs are the batch's token ids: nothing to build them from."""
         self.sharded = is_sharded(self.module)
         self.heldout_NT = broadcast_chunks(self.ctx.heldout_NT, self.ctx) if self.sharded else self.ctx.heldout_NT
         if (self.ctx.leader or self.sharded) and not self.module.lm:
             with torch.no_grad():
                 self.val_targets = [self.ctx.teacher.model.base_model(input_ids=batch_BT.to(self.ctx.device))
-                                    .last_hidden_state for batch_BT in self.heldout_NT.split(self.scfg.micro_batch_size)]
+                                    .last_hidden_state for batch_BT in self.heldout_NT.split(self.cfg.micro_batch_size)]
 
-    def _setup_inputs(self, frozen: dict[int, nn.Module]) -> None:
-        self.closed_loop = None
-
-    def _clip_gradients(self) -> float:
-        """One norm over the whole student: its loss is one, not a layer's own."""
-        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.scfg.grad_clip))
-
-    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, float]]:
+    def micro_step(self, batch: dict[str, torch.Tensor], accum: int) -> dict[int, float]:
+        """Forward and backward of one micro-batch (gradients scaled by 1/accum); the loss under ``LOSS_KEY``."""
         device = self.ctx.device
         teacher_BTD = batch["hidden"][:, 0].to(device)
         if not self.module.lm:
             _, final_BTD = self.model(batch["input_ids"].to(device))
             loss = layer_loss(final_BTD, teacher_BTD, Loss.cosine)
-            return loss, {LOSS_KEY: float(loss.detach())}
-        loss, final_BTD = self.model(batch["input_ids"].to(device), batch["topk_logp"].to(device),
-                                     batch["topk_idx"].to(device))
-        if self.ecfg.hidden_weight > 0:
-            loss = loss + self.ecfg.hidden_weight * layer_loss(final_BTD, teacher_BTD, "nmse")
-        return loss, {LOSS_KEY: float(loss.detach())}
+        else:
+            loss, final_BTD = self.model(batch["input_ids"].to(device), batch["topk_logp"].to(device),
+                                         batch["topk_idx"].to(device))
+            if self.ecfg.hidden_weight > 0:
+                loss = loss + self.ecfg.hidden_weight * layer_loss(final_BTD, teacher_BTD, "nmse")
+        (loss / accum).backward()
+        return {LOSS_KEY: float(loss.detach())}
 
-    def _log_train(self, step: int, losses: dict[int, float], grad_norm: float, samples: int,
-                   started: float, wait_s: float, compute_s: float, bar: Any) -> None:
+    def gradients(self) -> float:
+        """One norm over the whole student: its loss is one, not a layer's own."""
+        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+
+    def train_record(self, step: int, losses: dict[int, float], grad_norm: float, lr: float,
+                     counters: StageCounters) -> tuple[dict, dict[str, str]]:
         """An ``e2e_train`` event (not ``train``: the per-layer curves stay the layer stages')."""
-        elapsed = max(time.monotonic() - started, 1e-9)
-        loss = losses.get(LOSS_KEY, math.nan)
-        bar.set_postfix(kl=f"{loss:.4f}", samples_s=f"{samples * self.ctx.world_size / elapsed:.3g}")
-        self.ctx.log_metrics({"event": "e2e_train", "stage": self.stage.index, "step": step, "loss": loss,
-                              "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                              "samples_per_s": samples * self.ctx.world_size / elapsed})
+        loss, rate = losses.get(LOSS_KEY, math.nan), counters.samples_per_s()
+        record = {"event": "e2e_train", "stage": self.stage.index, "step": step, "loss": loss, "lr": lr,
+                  "grad_norm": grad_norm, "samples_per_s": rate}
+        return record, {"kl": f"{loss:.4f}", "samples_s": f"{rate:.3g}"}
 
     @torch.no_grad()
     def validate(self, step: int) -> Validation:
@@ -304,7 +303,7 @@ class E2ETrainer(StageTrainer):
             self.module.eval()
             if self.module.lm:
                 ppl = perplexity_of(self.module.final_hidden, self.module.logits, self.heldout_NT,
-                                    self.scfg.micro_batch_size, self.ctx.device)
+                                    self.cfg.micro_batch_size, self.ctx.device)
                 result = Validation(ppl, {"ppl": ppl})
             else:
                 cosine = self._heldout_cosine()
@@ -321,7 +320,7 @@ class E2ETrainer(StageTrainer):
     def _heldout_cosine(self) -> float:
         """Mean per-token cosine of the student's final hidden states against the teacher's."""
         total, count = 0.0, 0
-        for batch_BT, teacher_BTD in zip(self.heldout_NT.split(self.scfg.micro_batch_size), self.val_targets,
+        for batch_BT, teacher_BTD in zip(self.heldout_NT.split(self.cfg.micro_batch_size), self.val_targets,
                                          strict=True):
             student_BTD = self.module.final_hidden(batch_BT.to(self.ctx.device))
             total += F.cosine_similarity(student_BTD.float(), teacher_BTD.float(), dim=-1).sum().item()
@@ -329,9 +328,11 @@ class E2ETrainer(StageTrainer):
         return total / max(1, count)
 
     def finish(self) -> None:
-        """Fold LoRA into plain linear maps, then record the stage like a layer stage."""
+        """Fold LoRA into plain linear maps: the stage's weights are a plain student's."""
         merge_lora(self.module)
-        super().finish()
+
+    def progress_name(self) -> str:
+        return f"stage {self.stage.index} end-to-end"
 
 
 def run_e2e_stage(ctx: StudentContext, finished: set[int]) -> None:
@@ -340,7 +341,7 @@ def run_e2e_stage(ctx: StudentContext, finished: set[int]) -> None:
     if stage.index in finished:
         log.info("end-to-end stage %d already trained: skipping", stage.index)
         return
-    train_stage(E2ETrainer(ctx, stage))
+    train_stage(StageTrainer(ctx, E2ETask(ctx, stage)))
 
 
 # ---------------------------------------------------------------------- after training

@@ -40,6 +40,7 @@ from distill.model.evaluate import evaluate, metric_kind, score_student, spliced
 from distill.stages import Stage, layer_stages, scoring_stages
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext, barrier, broadcast_ints
+from distill.train.layer_stage import LayerTask
 from distill.train.modules import load_stage_replacements
 from distill.train.trainer import StageTrainer, train_stage
 
@@ -66,7 +67,7 @@ def run_hybrid(ctx: StudentContext, finished: set[int]) -> list[Stage]:
             if stage.index in finished:
                 log.info("scoring stage %d (layers %s) already trained: skipping", stage.index, list(stage.layers))
                 continue
-            train_stage(StageTrainer(ctx, stage, scoring_config(ctx.cfg.student)))
+            train_stage(StageTrainer(ctx, LayerTask(ctx, stage, scoring_config(ctx.cfg.student))))
         if ctx.leader:
             choice = choose(score_layers(ctx, scoring), ctx.cfg.student.hybrid)
             ckpt.write_json_atomic(ctx.checkpoint_dir / HYBRID_FILE, choice)

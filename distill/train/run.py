@@ -15,6 +15,7 @@ from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext
 from distill.train.e2e import e2e_student_config, run_e2e_stage
 from distill.train.hybrid import run_hybrid
+from distill.train.layer_stage import LayerTask
 from distill.train.progress import RunProgress, e2e_step_estimate_s
 from distill.train.trainer import StageTrainer, train_stage
 
@@ -32,7 +33,7 @@ def train_all(ctx: StudentContext) -> None:
         if stage.index in finished:
             log.info("stage %d (layers %s) already trained: skipping", stage.index, list(stage.layers))
             continue
-        train_stage(StageTrainer(ctx, stage))
+        train_stage(StageTrainer(ctx, LayerTask(ctx, stage)))
         if ctx.leader and progress.e2e_steps and progress.e2e_step_s is None:
             progress.e2e_step_s = planned_e2e_step_s(ctx)  # after a stage: the first bar starts at once
         line = progress.stage_done(ctx.cfg.student.steps_per_stage)

@@ -22,6 +22,7 @@ from distill.errors import ConfigError
 from distill.model.evaluate import EvalResult
 from distill.results.finish import eval_record
 from distill.train.context import METRICS_FILE, close_context
+from distill.train.layer_stage import LayerTask
 from distill.train.tracking import check_tracking, open_tracker, scalars
 from distill.train.trainer import StageTrainer, train_stage
 from tests.tiny_teachers import tiny_llama
@@ -136,7 +137,7 @@ def _tracked_stage(tmp_path: Path, start_pipeline, *overrides: str) -> tuple[Dic
     ctx = _context(cfg, teacher, tmp_path / "run")
     ctx.tracker = open_tracker(cfg, ctx.out_dir)
     try:
-        train_stage(StageTrainer(ctx, ctx.stages[0]))
+        train_stage(StageTrainer(ctx, LayerTask(ctx, ctx.stages[0])))
         result = EvalResult(kind="lm", teacher=29.5, student=31.25, per_layer={1: 30.5}, num_tokens=64)
         ctx.log_metrics(eval_record(result, None, {"export_s": 0.5}))
     finally:

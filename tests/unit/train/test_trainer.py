@@ -22,8 +22,11 @@ from distill.stages import stage_layout
 from distill.teacher.targets import TeacherTargets
 from distill.train import checkpoint as ckpt
 from distill.train.context import METRICS_FILE, StudentContext
+from distill.train.layer_stage import LayerTask
+from distill.train.losses import layer_loss
 from distill.train.modules import StageModule
-from distill.train.trainer import StageTrainer, cosine_lr, layer_loss, train_stage
+from distill.train.trainer import StageTrainer, cosine_lr, train_stage
+from distill.train.validation import Validation
 from distill.transport import broker_kwargs, control_client, worker_kwargs
 from tests.tiny_teachers import tiny_llama
 from tests.unit.test_config import _config
@@ -82,7 +85,7 @@ def test_a_stage_trains_validates_checkpoints_and_records_itself(tmp_path: Path,
     pipeline_for(cfg, teacher)
     ctx = _context(cfg, teacher, tmp_path / "run")
     try:
-        trainer = StageTrainer(ctx, ctx.stages[0])
+        trainer = StageTrainer(ctx, LayerTask(ctx, ctx.stages[0]))
         train_stage(trainer)
     finally:
         ctx.client.close()
@@ -103,9 +106,11 @@ def test_a_stage_trains_validates_checkpoints_and_records_itself(tmp_path: Path,
         assert ctx.timings[key] > 0, key
 
 
-def test_a_stage_that_fails_closes_its_loader_and_slot_pool(tmp_path: Path, pipeline_for, monkeypatch) -> None:
-    """Issue 40: ``train_stage`` closes the stage's loader on the way out of a failure (its
-    thread gone, its segment unlinked) before the error reaches the caller."""
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_stage_that_fails_closes_its_loader_and_slot_pool(tmp_path: Path, pipeline_for, monkeypatch,
+                                                            error: type[BaseException]) -> None:
+    """Issue 40: ``train_stage`` closes the stage's loader on the way out of a failure or an
+    interrupt (its thread gone, its segment unlinked) before the error reaches the caller."""
     cfg = _cfg(tmp_path)
     teacher = tiny_llama(VOCAB, 1)
     pipeline_for(cfg, teacher)
@@ -116,13 +121,13 @@ def test_a_stage_that_fails_closes_its_loader_and_slot_pool(tmp_path: Path, pipe
     def failing_loss(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise RuntimeError("a step that fails")
+            raise error("a step that fails")
         return layer_loss(*args, **kwargs)
 
-    monkeypatch.setattr("distill.train.trainer.layer_loss", failing_loss)
+    monkeypatch.setattr("distill.train.layer_stage.layer_loss", failing_loss)
     try:
-        with pytest.raises(RuntimeError, match="a step that fails"):
-            train_stage(StageTrainer(ctx, ctx.stages[0]))
+        with pytest.raises(error, match="a step that fails"):
+            train_stage(StageTrainer(ctx, LayerTask(ctx, ctx.stages[0])))
         assert not [t.name for t in threading.enumerate() if t.name.startswith("batches-stage")]
         assert not [name for name in set(list_segments()) - before if "trainert" in name]  # (the run id's start)
     finally:
@@ -135,8 +140,8 @@ def test_a_stage_resumes_at_its_checkpoint(tmp_path: Path, pipeline_for) -> None
     pipeline_for(cfg, teacher)
     ctx = _context(cfg, teacher, tmp_path / "run")
     try:
-        train_stage(StageTrainer(ctx, ctx.stages[0]))  # leaves its step-3 checkpoint behind
-        resumed = StageTrainer(ctx, ctx.stages[0])
+        train_stage(StageTrainer(ctx, LayerTask(ctx, ctx.stages[0])))  # leaves its step-3 checkpoint behind
+        resumed = StageTrainer(ctx, LayerTask(ctx, ctx.stages[0]))
         resumed.setup()
         assert resumed.start_step == 3
         state = json.loads((ctx.checkpoint_dir / "current" / "state.json").read_text())
@@ -155,7 +160,7 @@ def test_patience_ends_a_stage_that_stops_improving(tmp_path: Path, pipeline_for
     pipeline_for(cfg, teacher)
     ctx = _context(cfg, teacher, tmp_path / "run")
     try:
-        train_stage(StageTrainer(ctx, ctx.stages[0]))
+        train_stage(StageTrainer(ctx, LayerTask(ctx, ctx.stages[0])))
     finally:
         ctx.client.close()
     (end,) = _events(ctx.out_dir, "stage_end")
@@ -171,8 +176,8 @@ def test_a_stage_ends_with_its_best_weights_also_after_a_resume(tmp_path: Path, 
     pipeline_for(cfg, teacher)
     ctx = _context(cfg, teacher, tmp_path / "run")
     try:
-        train_stage(StageTrainer(ctx, ctx.stages[0]))  # leaves its step-3 checkpoint behind
-        resumed = StageTrainer(ctx, ctx.stages[0])
+        train_stage(StageTrainer(ctx, LayerTask(ctx, ctx.stages[0])))  # leaves its step-3 checkpoint behind
+        resumed = StageTrainer(ctx, LayerTask(ctx, ctx.stages[0]))
         resumed.setup()
         assert resumed.best.step == 1
         resumed.train()
@@ -212,3 +217,74 @@ def test_cosine_schedule_warms_up_then_decays_to_its_floor() -> None:
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
     assert lrs[20] == pytest.approx(0.1) and lrs[24] == pytest.approx(0.1)
 
+
+
+class _ScaleTask:
+    """A task that is none of distill's: one learned scale per layer, ``layer_out ~ s * layer_in``.
+    Only the trainer's protocol reaches it, so a trainer that reached into a task's insides
+    (its blocks, its closed loop) would fail here."""
+
+    validate_at_start = True
+
+    def __init__(self, ctx: StudentContext) -> None:
+        self.ctx, self.stage = ctx, ctx.stages[0]
+        self.planned = self.cfg = ctx.cfg.student
+        self.calls: list[str] = []
+
+    def build(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        self.calls.append("build")
+        self.module = torch.nn.ParameterDict({str(layer): torch.nn.Parameter(torch.zeros(()))
+                                              for layer in self.stage.layers})
+        return self.module, self.module
+
+    def prepare(self, start_step: int) -> None:
+        self.calls.append(f"prepare {start_step}")
+
+    def micro_step(self, batch: dict[str, torch.Tensor], accum: int) -> dict[int, float]:
+        hidden_BPTD = batch["hidden"].float()
+        losses = {}
+        for layer in self.stage.layers:
+            i, o = self.stage.io_index(layer)
+            loss = (self.module[str(layer)] * hidden_BPTD[:, i] - hidden_BPTD[:, o]).pow(2).mean()
+            (loss / accum).backward()
+            losses[layer] = float(loss.detach())
+        return losses
+
+    def gradients(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0))
+
+    def train_record(self, step: int, losses: dict[int, float], grad_norm: float, lr: float,
+                     counters) -> tuple[dict, dict[str, str]]:
+        return {"event": "scale_train", "step": step, "samples": counters.samples}, {}
+
+    def validate(self, step: int) -> Validation:
+        self.calls.append(f"validate {step}")
+        self.seen = {layer: float(scale) for layer, scale in self.module.items()}
+        return Validation(float(step), {"step": step})
+
+    def finish(self) -> None:
+        self.calls.append("finish")
+
+    def progress_name(self) -> str:
+        return "scales"
+
+
+def test_the_trainer_runs_any_task_that_follows_its_protocol(tmp_path: Path, pipeline_for) -> None:
+    cfg = _cfg(tmp_path, "student.val_every_steps=2", "student.lr=0.1")
+    teacher = tiny_llama(VOCAB, 2)
+    pipeline_for(cfg, teacher)
+    ctx = _context(cfg, teacher, tmp_path / "run")
+    task = _ScaleTask(ctx)
+    try:
+        train_stage(StageTrainer(ctx, task))
+    finally:
+        ctx.client.close()
+    assert task.calls == ["build", "prepare 0", "validate 0", "validate 2", "validate 4", "validate 6", "finish"]
+    assert [r["samples"] for r in _events(ctx.out_dir, "scale_train")] == [4, 8, 12, 16, 20, 24]
+    assert all(scale != 0.0 for scale in task.seen.values()), "the steps trained the scales"
+    assert all(float(scale) == 0.0 for scale in task.module.values()), "then the best (step-0) ones came back"
+    (end,) = _events(ctx.out_dir, "stage_end")
+    assert end["best_step"] == 0 and end["step"] == 0, "the task's step-0 weights scored best (lower is better)"
+    kept = torch.nn.ParameterDict({str(layer): torch.nn.Parameter(torch.ones(())) for layer in ctx.stages[0].layers})
+    ckpt.load_stage_weights(ctx.checkpoint_dir, 0, kept)
+    assert all(float(scale) == 0.0 for scale in kept.values()), "the best (step-0) weights were saved"
