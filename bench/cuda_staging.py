@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -130,11 +131,11 @@ def pipeline(endpoints: dict[str, str], sample_bytes: int, device: str):
     with Children() as kids:
         kids.start(run_worker, endpoints, sample_bytes, device)
         with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
-                           endpoints["control_pub"]) as client:
+                           endpoints["control_pub"], run_id=f"bench-{secrets.token_hex(4)}") as client:
             client.hello()
             client.set_model("cuda-staging")
             batches = iter(DistillIterableDataset(0, client.generation_value, SLOTS, config, endpoints["frontend"],
-                                                  batch_size=BATCH, timeout_s=120, reuse_batches=True))
+                                                  batch_size=BATCH, timeout_s=120, reuse_batches=True, run_id=client.run_id))
             try:
                 yield lambda: len(next(batches)["hidden"])
             finally:

@@ -710,12 +710,24 @@ def bench_pipeline(size: Size, seconds: float, transport: Transport, consumers: 
             for consumer in consumers:
                 slots = size.slot_count if consumer == "client" else 1
                 with StudentClient(0, slots, config, endpoints["frontend"], endpoints["control"],
-                                   endpoints["control_pub"], curve=transport.student) as client:
+                                   endpoints["control_pub"], curve=transport.student,
+                                   run_id=cell_run_id()) as client:
                     client.hello()
                     _settle(client, count)
                     client.set_model(f"bench-{size.sample_bytes}")
                     with _pipeline_step(size, client, config, endpoints, consumer, transport.student) as step:
                         yield measure(size, f"pipeline/{consumer}{suffix}", count, step, seconds, roles)
+
+
+_CELL_RUNS = itertools.count()
+
+
+def cell_run_id() -> str:
+    """A run of its own for each cell's student. Cells follow each other on one broker, and
+    a run's first ``set_model`` claims it for that client's leader secret: a later client
+    in the same run would be refused as not its leader until the broker forgets the run
+    (``run_grace_s`` after its last peer)."""
+    return f"bench-cell-{next(_CELL_RUNS)}"
 
 
 README_CLIENT_SLOTS, README_DATASET_SLOTS = 16, 8
@@ -752,12 +764,13 @@ def _default_cells(size: Size, seconds: float, endpoints: dict[str, str], broker
             workers.append(kids.start(target, endpoints, size.sample_bytes))
             roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
             with StudentClient(0, README_CLIENT_SLOTS, config, endpoints["frontend"], endpoints["control"],
-                               endpoints["control_pub"]) as client:
+                               endpoints["control_pub"], run_id=cell_run_id()) as client:
                 client.hello()
                 _settle(client, count)
                 client.set_model(f"defaults-{size.sample_bytes}-{count}-{len(method)}")
                 dataset = DistillIterableDataset(0, client.generation_value, slots, config,
-                                                 endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S)
+                                                 endpoints["frontend"], timeout_s=FIRST_BATCH_TIMEOUT_S,
+                                                 run_id=client.run_id)
                 samples = iter(dataset)
                 try:
                     yield measure(size, method, count, _one_by_one(samples, batch), seconds, roles)
@@ -896,7 +909,8 @@ def _pipeline_step(size: Size, client: StudentClient, config: BatchConfig, endpo
     dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
                                      endpoints["frontend"], batch_size=size.batch_size,
                                      timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True, curve=curve,
-                                     notices=consumer != "relay", direct_requests=consumer == "dataset")
+                                     notices=consumer != "relay", direct_requests=consumer == "dataset",
+                                     run_id=client.run_id)
     batches = iter(dataset)
     try:
         yield lambda it=batches: len(next(it)["x"])
@@ -916,7 +930,7 @@ def bench_round_trip(endpoints: dict[str, str], seconds: float) -> dict[str, lis
             for label in times:
                 with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
                                    endpoints["control_pub"], notices=label != "relay",
-                                   direct_requests=label == "lane") as client:
+                                   direct_requests=label == "lane", run_id=cell_run_id()) as client:
                     client.hello()
                     client.set_model("bench-round-trip")
                     times[label].append(_round_trips(client, seconds / 3))
@@ -977,13 +991,13 @@ def bench_tcp_pipeline(size: Size, seconds: float, endpoints: dict[str, str],
             workers.append(kids.start(run_worker, endpoints, size.sample_bytes, size.worker_batch, False))
             roles = {"consumer": [os.getpid()], "broker": [broker_pid], "producers": list(workers)}
             with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
-                               endpoints["control_pub"]) as client:
+                               endpoints["control_pub"], run_id=cell_run_id()) as client:
                 client.hello()
                 client.set_model(f"bench-tcp-{size.sample_bytes}")
                 dataset = DistillIterableDataset(0, client.generation_value, size.slot_count, config,
                                                  endpoints["frontend"], batch_size=size.batch_size,
                                                  timeout_s=FIRST_BATCH_TIMEOUT_S, reuse_batches=True,
-                                                 medium="tcp", tcp_host="127.0.0.1")
+                                                 medium="tcp", tcp_host="127.0.0.1", run_id=client.run_id)
                 batches = iter(dataset)
                 try:
                     yield measure(size, "tcp pipeline", count, lambda it=batches: len(next(it)["x"]), seconds,

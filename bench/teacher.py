@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -192,12 +193,12 @@ def pipeline_step(endpoints: dict[str, str], stage: Stage, batch_size: int,
     with Children() as kids:
         kids.start(run_worker, endpoints, len(stage.positions), batch_size, device)
         with StudentClient(0, 1, config, endpoints["frontend"], endpoints["control"],
-                           endpoints["control_pub"]) as client:
+                           endpoints["control_pub"], run_id=f"bench-{secrets.token_hex(4)}") as client:
             client.hello()
             client.set_model(stage.model_id, stage.model_cfg)
             dataset = DistillIterableDataset(0, client.generation_value, slots, config, endpoints["frontend"],
                                              batch_size=batch_size, timeout_s=FIRST_BATCH_TIMEOUT_S,
-                                             reuse_batches=True)
+                                             reuse_batches=True, run_id=client.run_id)
             batches = iter(dataset)
             try:
                 yield lambda: len(next(batches)["hidden"])

@@ -106,9 +106,10 @@ class Control:
         return run.generation + 1
 
     def _bind_leader(self, run: RunState, leader_key: bytes, epoch: int, peer_id: str, claim: bool) -> None:
-        """Record who leads ``run`` now; a claim or a hand-over is logged as one."""
+        """Record who leads ``run`` now. A claim is every run's start (info); a hand-over to
+        another process is rarer and worth a look (a restarted leader, or someone else)."""
         if claim:
-            log.warning("run %s: claimed by leader %s (epoch %d); only holders of its secret lead it now",
+            log.info("run %s: claimed by leader %s (epoch %d); only holders of its secret lead it now",
                         run.run_id, peer_id[:64], epoch)
         elif peer_id != run.leader_id:
             log.warning("run %s: leader hands over from %s (epoch %d) to %s (epoch %d)", run.run_id,
