@@ -43,7 +43,12 @@ Model = tuple[int, str, dict | None]
 
 
 class DirectLane:
-    """The lane's socket, the DIRECTs taken off it, and the answers not yet delivered."""
+    """The lane's socket, the DIRECTs taken off it, and the answers not yet delivered; the
+    notices announcing a WORK's filled slots go out through it too. Without
+    ``direct_requests`` there is no socket (``lane`` None): only the notices."""
+
+    notifies = True
+    """Filled slots are announced to their students (:meth:`notice`)."""
 
     def __init__(self, peer_id: str, outbox: NoticeOutbox, lane: RequestLane | None, token: str | None,
                  max_batch: int) -> None:
@@ -138,6 +143,13 @@ class DirectLane:
         return works
 
     # ------------------------------------------------------------------ answers
+    def notice(self, segment: str, generation: int, slots: list[list], shared: bool) -> bool:
+        """Announce a WORK's filled ``slots`` to the student of ``segment``; True when it got
+        there (else the broker completes them). The notice names our lane, so the student
+        asks us directly next time, except for a fan-out run (``shared``): its slots must
+        keep going through the broker, which is what lets one teacher pass serve several runs."""
+        return self._outbox.send(segment, generation, slots, None if shared else self.name, self._token)
+
     def answer(self, body: dict, failures: dict[int, str]) -> None:
         """Notify the student of a filled DIRECT (its failed slots too: no broker will);
         slots the worker would not write are declined, so the student asks the broker."""
@@ -199,6 +211,52 @@ class DirectLane:
             self.retry_unsent()
             if self._unsent:
                 time.sleep(0.01)
+
+
+class NoLane:
+    """A worker without notices (``notify_students=False``): no lane, no DIRECT, no
+    notice; the broker completes every slot. It stands in for :class:`DirectLane`, so that
+    the worker's loop and its batches have no branches for the case."""
+
+    notifies = False
+    name = None
+    filled = 0
+    backlog = 0
+    queued = False
+    busy = False
+
+    def fileno(self) -> None:
+        return None
+
+    def waiting(self) -> bool:
+        return False
+
+    def report(self) -> dict:
+        return {}
+
+    def take(self) -> None:
+        pass
+
+    def others_in(self, works: list[Message]) -> bool:
+        return False
+
+    def decline_all(self, why: str) -> None:
+        pass
+
+    def next_batch(self, model_for: Callable[[dict], Model | str]) -> list[Message]:
+        return []
+
+    def answer(self, body: dict, failures: dict[int, str]) -> None:
+        raise AssertionError("a DIRECT was filled by a worker that has no lane")
+
+    def notice(self, segment: str, generation: int, slots: list[list], shared: bool) -> bool:
+        return False
+
+    def retry_unsent(self) -> None:
+        pass
+
+    def shut(self) -> None:
+        pass
 
 
 def why_not(body: dict, model: Model | None, shared: bool, newest: int) -> str | None:

@@ -14,7 +14,7 @@ worker cannot map gets a fresh staging buffer per slot instead (sent by
   tensors that are not the config's, fail that slot with the reason; the worker goes on;
 - ``batch_fn(model_id, model_cfg, targets)`` (zero-copy): writes into the targets'
   views; it may return a ``finish`` callable, which the worker calls before it commits
-  (``loop.py``).
+  (``batches.py``).
 
 What each path costs: docs/pipeline.md, section The Python API.
 """

@@ -1,23 +1,16 @@
-"""The worker: receives WORK (batches of slot addresses), fills the slots, says DONE.
+"""The worker's loop: receives WORK (batches of slot addresses) and DIRECTs, hands them
+to its batches (``batches.py``), keeps in touch with the broker.
 
-The sample functions (``generator_fn``, ``batch_fn``) are called through ``fill.py``.
 Invariants to keep when editing:
 
 - every WORK already waiting on the socket (up to ``max_batch`` slots of one model) is
-  drained before the sample function is called, so small requests are batched;
-- each item is checked against its segment's own header and its slot claimed before
-  any byte of it is written (``segments.py``, ``claims.py``); the payload is written
-  first and the header last, only over a claim that still stands (``commit.py``); no
-  more than a segment's fair share of its slots is claimed at once, the rest of a
-  batch is filled in further calls, before DONE;
-- a ``finish`` callable returned by a ``batch_fn`` (copies still in flight) is called,
-  and the batch committed, only after the NEXT waiting batch has started, or at once
-  when none waits: a sample is never late by more than a batch;
-- a fan-out WORK (``runs``/``copies``, ``protocol.py``): only *source* items are
-  computed and copied into their copies' slots, each header with its own run's
-  generation; a run stale here gets no header ("stale") while its sources are still
-  computed for the others.
+  drained before the batch is filled, so small requests are batched;
+- broker WORK comes before DIRECTs (``_serve_direct``);
+- a batch left to commit (``Batches.pending``) may still write to any mapped segment:
+  segments are dropped only when none is.
 
+The sample functions (``generator_fn``, ``batch_fn``) are called through ``fill.py``;
+what is claimed, written and committed, and in which order, is ``batches.py``'s.
 Students on this machine also ask the worker directly (``direct.py``). See
 docs/pipeline.md, sections The Python API and GPU paths.
 """
@@ -29,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -39,24 +31,17 @@ from distill.pipeline.auth import secure_client
 from distill.pipeline.batch import BatchConfig
 from distill.pipeline.endpoints import default_endpoint
 from distill.pipeline.liveness import FillProgress, Heartbeater, new_writer_id, process_token
-from distill.pipeline.mediums.tcp import TcpSender, is_tcp_medium
+from distill.pipeline.mediums.tcp import TcpSender
 from distill.pipeline.notices import NoticeOutbox, RequestLane
 from distill.pipeline.protocol import Command, Message, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.throttle import LogThrottle
+from distill.pipeline.worker.batches import Batches, Generations
 from distill.pipeline.worker.cfgs import ModelConfigs
 from distill.pipeline.worker.commit import Committer
-from distill.pipeline.worker.config import BatchFn, Deferred, GeneratorFn, SlotTarget, WorkerConfig
-from distill.pipeline.worker.direct import DirectLane, Model, why_not
-from distill.pipeline.worker.fill import (
-    Failures,
-    Filler,
-    Run,
-    fail_runs,
-    group_by_model,
-    shared_sources,
-    with_generations,
-)
+from distill.pipeline.worker.config import BatchFn, GeneratorFn, WorkerConfig
+from distill.pipeline.worker.direct import DirectLane, NoLane
+from distill.pipeline.worker.fill import Filler
 from distill.pipeline.worker.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -93,9 +78,7 @@ class Worker:
         self.max_batch = cfg.max_batch if cfg.max_batch is not None else self._chosen_batch()
         self.capacity = self.max_batch * cfg.prefetch_batches
         self._keys = cfg.curve.client_keys() if cfg.curve is not None else None  # checked here, not in run()
-        self._generation: dict[str, int] = {}
-        self._model_id: str | None = None
-        self._last_run = protocol.DEFAULT_RUN
+        self._generations = Generations()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token = process_token()
@@ -108,22 +91,20 @@ class Worker:
                               self.peer_id)
         self._committer = Committer(self.writer_id, cfg.checksum, self._sender, self.peer_id, self._segments)
         self._outbox: NoticeOutbox | None = None
-        self._lane: DirectLane | None = None
+        self._lane: DirectLane | NoLane = NoLane()
+        """Notices and DIRECTs (``direct.py``), opened by :meth:`run` when notices are on."""
         self._cfgs = ModelConfigs()
         """The model configs WORKs sent us, by digest (a WORK carries its model's once)."""
-        self._models: dict[str, Model] = {}
-        """run -> (generation, model id, model cfg) of its last plain WORK: what a DIRECT may ask for."""
-        self._shared_runs: set[str] = set()
-        """Runs opted in to fan-out: always through the broker, which shares their samples."""
         self._heart: Heartbeater | None = None
         self._reported_backlog = 0
         """The DIRECT backlog our last heartbeat told the broker (its thread writes it)."""
         self._empty_since: float | None = None
         """Since when our DIRECT backlog is empty while our last beat said it was not."""
         self._refusals = LogThrottle(log)
-        self._deferred: tuple[list[Message], Failures, Deferred] | None = None
         self._progress = FillProgress()
         """Batches finished, told with every heartbeat (a hung batch function stops it)."""
+        self._batches = Batches(self.peer_id, self._filler, self._committer, self._segments, self._progress,
+                                self._generations, self._send)
 
     def _chosen_batch(self) -> int:
         """``max_batch`` left out: a byte budget of samples per call (``sizing.py``)."""
@@ -141,11 +122,11 @@ class Worker:
     @property
     def generation(self) -> int:
         """Newest generation seen (of the last run served)."""
-        return self._generation.get(self._last_run, 0)
+        return self._generations.of(self._generations.last_run)
 
     @property
     def model_id(self) -> str | None:
-        return self._model_id
+        return self._generations.model_id
 
     @property
     def samples_written(self) -> int:
@@ -159,7 +140,7 @@ class Worker:
     @property
     def direct_filled(self) -> int:
         """Samples written for DIRECT requests (the broker never saw them)."""
-        return 0 if self._lane is None else self._lane.filled
+        return self._lane.filled
 
     def run(self) -> None:
         """Serve until STOP is published or :meth:`stop` is called (blocking)."""
@@ -175,15 +156,11 @@ class Worker:
         heart = Heartbeater(self.backend_endpoint, self.peer_id, "worker", interval_s=cfg.heartbeat_interval_s,
                             liveness=cfg.heartbeat_liveness, keys=self._keys, extra=self._beat_report).start()
         self._heart = heart
-        self._outbox = NoticeOutbox(cfg.notice_dir) if cfg.notify_students else None
-        if self._outbox is not None:
-            lane = RequestLane.open(self.peer_id, cfg.notice_dir) if cfg.direct_requests else None
-            self._lane = DirectLane(self.peer_id, self._outbox, lane, self._token, self.max_batch)
+        self._open_lane()
         try:
             self._serve(sock, sub, heart)
         finally:
-            if self._lane is not None:
-                self._lane.shut()
+            self._lane.shut()
             if self._outbox is not None:
                 self._outbox.close()
             heart.stop()
@@ -195,6 +172,15 @@ class Worker:
             self._segments.close()
             self._sender.close()
             log.info("worker %s stopped after %d samples", self.peer_id, self.samples_written)
+
+    def _open_lane(self) -> None:
+        """With notices, the outbox and (with direct requests) the lane's socket; else none."""
+        cfg = self.config
+        if not cfg.notify_students:
+            return
+        self._outbox = NoticeOutbox(cfg.notice_dir)
+        lane = RequestLane.open(self.peer_id, cfg.notice_dir) if cfg.direct_requests else None
+        self._lane = self._batches.lane = DirectLane(self.peer_id, self._outbox, lane, self._token, self.max_batch)
 
     def start(self) -> Worker:
         self._thread = threading.Thread(target=self.run, name=f"worker-{self.worker_id}", daemon=True)
@@ -212,32 +198,30 @@ class Worker:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
-        lane = self._lane.fileno() if self._lane is not None else None
+        lane = self._lane.fileno()
         if lane is not None:
             poller.register(lane, zmq.POLLIN)
         idle_ms = self.config.heartbeat_interval_s * 1000
         try:
             while not self._stop.is_set():
-                queued = self._lane is not None and self._lane.queued
-                busy = self._lane is not None and self._lane.busy
-                events = dict(poller.poll(0 if queued else 10 if busy else self._idle_wait_ms(idle_ms)))
+                wait_ms = 0 if self._lane.queued else 10 if self._lane.busy else self._idle_wait_ms(idle_ms)
+                events = dict(poller.poll(wait_ms))
                 if sub in events and self._on_published(sub):
                     return
                 if sock in events:
-                    self._process(self._collect_work(sock), sock)
+                    self._batches.process(self._collect_work(sock), sock)
                 if lane is not None and (lane in events or self._lane.queued):
                     self._serve_direct(sock)
-                if self._lane is not None:
-                    self._lane.retry_unsent()
-                    self._tell_emptied(heart)
+                self._lane.retry_unsent()
+                self._tell_emptied(heart)
                 if heart.refusal is not None:  # the broker will never answer: stop with the reason
                     raise PermissionError(f"worker {self.peer_id}: {heart.refusal}")
                 if heart.forgotten.is_set() or not heart.broker_alive:
                     self._rejoin(sock, heart)
-                if self._deferred is None:  # (a batch still to commit may write to any of them)
+                if not self._batches.pending:  # (a batch still to commit may write to any of them)
                     self._segments.drop_unlinked()
         finally:
-            self._finish_deferred(sock)
+            self._batches.finish_deferred(sock)
 
     def _send(self, sock: zmq.Socket, command: Command, body: dict) -> None:
         """Send to the broker, raising rather than blocking forever when it refuses our key
@@ -255,7 +239,7 @@ class Worker:
                                          **self._direct_report()})
 
     def _direct_report(self) -> dict:
-        return {} if self._lane is None else self._lane.report()
+        return self._lane.report()
 
     def _beat_report(self) -> dict:
         """What every heartbeat carries: the DIRECT fills and the batches finished."""
@@ -275,7 +259,7 @@ class Worker:
         every batch and gets its slots back a round trip later, and beats taken at those
         instants would tell the broker that every worker is always idle, a slow one
         included (which then got more than its share of the slots)."""
-        if self._lane is None or self._lane.backlog or not self._reported_backlog:
+        if self._lane.backlog or not self._reported_backlog:
             self._empty_since = None
             return
         now = time.monotonic()
@@ -324,14 +308,8 @@ class Worker:
         if msg.command is Command.STOP:
             return msg.body.get("run_id") is None
         if msg.command is Command.MODEL:
-            self._note_generation(msg.body["run_id"], msg.body["generation"], msg.body["model_id"])
+            self._generations.note(msg.body["run_id"], msg.body["generation"], msg.body["model_id"])
         return False
-
-    def _note_generation(self, run_id: str, generation: int, model_id: str) -> None:
-        if generation >= self._generation.get(run_id, 0):
-            self._generation[run_id] = generation
-            self._model_id = model_id
-            self._last_run = run_id
 
     def _collect_work(self, sock: zmq.Socket) -> list[Message]:
         """The WORK waiting on the socket, up to about ``max_batch`` slots."""
@@ -371,152 +349,6 @@ class Worker:
         self._send(sock, Command.DONE, {"peer_id": self.peer_id, "work_id": body["work_id"], "num_items": items,
                                         "failed": [[idx, "stale"] for idx in range(items)], **extra})
 
-    # ------------------------------------------------------------------ filling
-    def _process(self, works: list[Message], sock: zmq.Socket) -> None:
-        shared = [[work] for work in works if work.body.get("runs") is not None]
-        plain = [work for work in works if work.body.get("runs") is None]
-        for group in shared:  # fan-out WORKs: filled and committed at once
-            self._finish_deferred(sock)
-            self._send_done(sock, group, self._fill_shared(group[0].body))
-        for group in group_by_model(plain):
-            self._fill_group(group, sock)
-        if self._deferred is not None and not protocol.readable(sock) and not self._direct_waiting():
-            self._finish_deferred(sock)  # no next batch to overlap with: finish now
-
-    def _direct_waiting(self) -> bool:
-        return self._lane is not None and self._lane.waiting()
-
-    def _finish_deferred(self, sock: zmq.Socket) -> None:
-        """Commit the group whose copies were left in flight, and say DONE."""
-        if self._deferred is None:
-            return
-        group, failed, deferred = self._deferred
-        self._deferred = None
-        deferred()
-        self._send_done(sock, group, failed)
-
-    def _fill_group(self, group: list[Message], sock: zmq.Socket) -> None:
-        """Fill every slot of WORKs of one (run, generation, model), in as many batches as
-        the students' fair shares take; say DONE (the last batch may be left to commit
-        while the next one fills, see the module docstring)."""
-        first = group[0].body
-        run_id, generation, model_id = first["run_id"], first["generation"], first["model_id"]
-        failed: Failures = {}
-        if generation < self._generation.get(run_id, 0):
-            for work in group:
-                failed[work.body["work_id"]] = dict.fromkeys(range(len(work.body["items"])), "stale")
-            self._finish_deferred(sock)
-            self._send_done(sock, group, failed)
-            return
-        self._note_generation(run_id, generation, model_id)
-        if group[0].command is Command.WORK:
-            self._models[run_id] = (generation, model_id, first.get("model_cfg"))
-            (self._shared_runs.add if first.get("shared") else self._shared_runs.discard)(run_id)
-        left = [(work.body, range(len(work.body["items"]))) for work in group]
-        deferred = None
-        while left:
-            runs: list[Run] = []
-            left = [(body, waiting) for body, idxs in left
-                    if (waiting := self._filler.add_targets(body, generation, runs, failed, idxs))]
-            targets = [target for run in runs for target in run.targets]
-            if left and not targets:  # our own claims still pending commit fill the shares
-                left = self._make_room(sock, left, failed)
-                continue
-            deferred = self._generate(model_id, first.get("model_cfg"), targets, runs, failed)
-            self._finish_deferred(sock)  # the previous batch's copies ran during this fill
-            if deferred is not None and left:
-                deferred()  # more of this group to fill: its claims must be settled first
-                deferred = None
-        if deferred is None:
-            self._send_done(sock, group, failed)
-        else:
-            self._deferred = group, failed, deferred
-
-    def _make_room(self, sock: zmq.Socket, left: list[tuple[dict, list[int]]],
-                   failed: Failures) -> list[tuple[dict, list[int]]]:
-        """Nothing more of a group can be claimed: commit the batch left in flight (its
-        claims count against the shares); with none, this worker holds no claim at all,
-        so counts that say otherwise are reset (once; then the rest fails)."""
-        if self._deferred is not None:
-            self._finish_deferred(sock)
-            return left
-        if self._segments.reset_claims():
-            log.error("worker %s: claim counts were out of step with its batches; reset", self.peer_id)
-            return left
-        _fail_waiting(left, failed, "over the student's share of writers")
-        return []
-
-    def _generate(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget],
-                  runs: list[Run], failed: Failures) -> Deferred | None:
-        """Fill the targets and commit them, or return the commit when copies are in flight."""
-        self._filler.refuse_shrunk(runs, failed)  # (the sample function writes into the rest)
-        targets = [target for run in runs for target in run.targets]
-        if not targets:
-            return None
-        try:
-            with self._progress.batch():
-                lengths, finish = self._filler.generate(model_id, model_cfg, targets)
-        except Exception as exc:  # a generator bug must not kill the worker
-            log.exception("worker %s: generator failed for model %s", self.peer_id, model_id)
-            self._committer.give_up(runs)
-            fail_runs(runs, failed, f"generator failed: {exc!r}")
-            return None
-        if callable(finish):
-            return lambda: self._finish_and_commit(finish, model_id, runs, lengths, failed)
-        self._committer.commit_runs(runs, lengths, failed)
-        return None
-
-    def _finish_and_commit(self, finish: Callable[[], None], model_id: str, runs: list[Run],
-                           lengths: list[int], failed: Failures) -> None:
-        self._check_sizes(runs)  # a segment shrunk meanwhile: grown back for these copies, then refused
-        try:
-            with self._progress.batch():
-                finish()
-        except Exception as exc:  # a failed copy fails its slots, not the worker
-            log.exception("worker %s: finishing a batch of model %s failed", self.peer_id, model_id)
-            self._committer.give_up(runs)
-            fail_runs(runs, failed, f"generator failed: {exc!r}")
-            return
-        self._committer.commit_runs(runs, lengths, failed)
-
-    def _check_sizes(self, runs: list[Run]) -> None:
-        """Before copies land in the runs' slots: a segment that shrank since it was mapped is
-        grown back (so they cannot fault) and dropped (its slots fail at commit)."""
-        for run in runs:
-            if run.segment is not None:
-                self._segments.check_size(run.segment)
-
-    def _send_done(self, sock: zmq.Socket, group: list[Message], failed: Failures) -> None:
-        for work in group:
-            body = work.body
-            failures = failed.get(body["work_id"], {})
-            if work.command is Command.DIRECT:
-                self._lane.answer(body, failures)
-                continue
-            done = {"peer_id": self.peer_id, "work_id": body["work_id"], "num_items": len(body["items"]),
-                    "failed": [[idx, why] for idx, why in sorted(failures.items())]}
-            notified = self._notify(body, failures) if self._outbox is not None else []
-            if notified:
-                done["notified"] = notified
-            self._send(sock, Command.DONE, done)
-
-    def _notify(self, body: dict, failures: dict[int, str]) -> list[str]:
-        """Tell the students whose shared memory we filled, straight to their inboxes
-        (``notices.py``), before DONE reaches the broker. Returns the segments every
-        notice reached: the broker completes the others."""
-        rows: dict[tuple[str, int], list[list]] = {}
-        for idx, generation, (medium, slot_idx, _stride, request_id) in with_generations(body):
-            if idx not in failures and medium in self._segments and not is_tcp_medium(medium):
-                rows.setdefault((medium, generation), []).append([slot_idx, request_id, True])
-        # Not for a run opted in to fan-out: its slots must keep going through the broker,
-        # which is what lets one teacher pass serve several runs.
-        shared = body.get("runs") is not None or body.get("shared")
-        lane = None if shared or self._lane is None else self._lane.name
-        reached, missed = set(), set()
-        for (medium, generation), slots in rows.items():
-            (reached if self._outbox.send(medium, generation, slots, lane, self._token) else missed).add(medium)
-        return sorted(reached - missed)
-
     # ------------------------------------------------------------------ direct requests
     def _serve_direct(self, sock: zmq.Socket) -> None:
         """Fill DIRECT requests (up to about ``max_batch`` slots per call). Broker WORK
@@ -528,108 +360,13 @@ class Worker:
         self._lane.take()
         if protocol.readable(sock):
             broker_works = self._collect_work(sock)
-            self._process(broker_works, sock)
+            self._batches.process(broker_works, sock)
             if self._lane.others_in(broker_works):
                 self._lane.decline_all("the worker has broker work waiting for other students")
                 return
-        works = self._lane.next_batch(self._direct_model)
+        works = self._lane.next_batch(self._batches.direct_model)
         if works:
-            self._process(works, sock)
-
-    def _direct_model(self, body: dict) -> Model | str:
-        run_id = body["run_id"]
-        model = self._models.get(run_id)
-        why = why_not(body, model, run_id in self._shared_runs, self._generation.get(run_id, 0))
-        return why if why is not None else model
-
-    # ------------------------------------------------------------------ fan-out
-    def _fill_shared(self, body: dict) -> Failures:
-        """Fill a fan-out WORK: compute its sources once, copy them into their copies,
-        commit the slots of runs whose generation is current. Returns failures."""
-        work_id = body["work_id"]
-        try:
-            sources = shared_sources(body)
-        except ProtocolError as exc:
-            self._refusals.warning("worker %s: %s", self.peer_id, exc.reason)
-            return {work_id: dict.fromkeys(range(len(body["items"])), exc.reason[:200])}
-        failed: Failures = {}
-        runs, live = self._shared_targets(body, failed)
-        self._filler.refuse_shrunk(runs, failed)  # (the sample function writes into the rest)
-        where = {idx: target for run in runs for idx, target in zip(run.idxs, run.targets, strict=True)}
-        needed = sorted({sources.get(idx, idx) for run in live for idx in run.idxs} & where.keys())
-        try:
-            lengths = self._make(body["model_id"], body.get("model_cfg"), [where[i] for i in needed])
-        except Exception as exc:  # a generator bug must not kill the worker
-            log.exception("worker %s: generator failed for model %s", self.peer_id, body["model_id"])
-            self._committer.give_up(runs)
-            for run in live:
-                failed.setdefault(work_id, {}).update(dict.fromkeys(run.idxs, f"generator failed: {exc!r}"[:200]))
-            return failed
-        made = dict(zip(needed, lengths, strict=True))
-        self._check_sizes(runs)  # sources are copied out of these segments, copies into them
-        live_runs = {id(run) for run in live}
-        for run in runs:
-            if id(run) in live_runs:
-                self._commit_copies(run, sources, where, made, failed)
-            else:
-                self._committer.give_up([run])
-        return failed
-
-    def _shared_targets(self, body: dict, failed: Failures) -> tuple[list[Run], list[Run]]:
-        """Targets of every group of a fan-out WORK, and the runs of those whose
-        generation is current (the others' items fail as "stale")."""
-        runs: list[Run] = []
-        live: list[Run] = []
-        start = 0
-        for run_id, generation, count in body["runs"]:
-            first = len(runs)
-            self._filler.add_targets(body, generation, runs, failed, range(start, start + count), share=False)
-            if generation < self._generation.get(run_id, 0):
-                failed.setdefault(body["work_id"], {}).update(dict.fromkeys(range(start, start + count), "stale"))
-            else:
-                self._note_generation(run_id, generation, body["model_id"])
-                self._shared_runs.add(run_id)
-                live.extend(runs[first:])
-            start += count
-        return runs, live
-
-    def _make(self, model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> list[int]:
-        """Generate into ``targets``; the payload length of each (-1: did not fit)."""
-        if not targets:
-            return []
-        with self._progress.batch():
-            lengths, finish = self._filler.generate(model_id, model_cfg, targets)
-            if callable(finish):  # copies in flight: the copies below read these payloads
-                finish()
-        return lengths
-
-    def _commit_copies(self, run: Run, sources: dict[int, int], where: dict[int, SlotTarget],
-                       made: dict[int, int], failed: Failures) -> None:
-        """Copy each copy's source payload into its slot, then commit the run's slots."""
-        keep, lengths, unmade = [], [], []
-        for pos, idx in enumerate(run.idxs):
-            source = sources.get(idx, idx)
-            length = made.get(source)
-            if length is None:  # its source's address was bad
-                failed.setdefault(run.work_id, {})[idx] = "source sample not made"
-                unmade.append(pos)
-                continue
-            if source != idx and length > 0:
-                run.targets[pos].payload[:length] = where[source].payload[:length]
-            keep.append(pos)
-            lengths.append(length)
-        if unmade:
-            lost = Run(run.work_id, run.medium, run.stride, run.segment, None,
-                       [run.idxs[p] for p in unmade], [run.slot_idxs[p] for p in unmade],
-                       [run.targets[p] for p in unmade])
-            self._committer.give_up([lost])
-            run.keep(keep)
-        self._committer.commit(run, lengths, failed)
-
-
-def _fail_waiting(left: list[tuple[dict, list[int]]], failed: Failures, why: str) -> None:
-    for body, idxs in left:
-        failed.setdefault(body["work_id"], {}).update(dict.fromkeys(idxs, why))
+            self._batches.process(works, sock)
 
 
 def _silence(heart: Heartbeater) -> str:

@@ -9,7 +9,7 @@ asks the kernel whether the mapped file is still the one the name refers to
 
 A student can shrink its own segment under the mapping (a SIGBUS in the worker). So
 before each step that touches a segment (its claims, the sample function, a deferred
-batch's ``finish``, the commit; see ``fill.py``, ``commit.py``, ``loop.py``) the worker
+batch's ``finish``, the commit; see ``fill.py``, ``commit.py``, ``batches.py``) the worker
 checks the file's size (:meth:`Segments.check_size`, one ``fstat``); a segment found
 shrunk is refused (its items fail with the reason), grown back to its mapped size so
 copies in flight land in the file (``AttachedSegment.restore_size``), and dropped. What
