@@ -53,7 +53,9 @@ def test_one_teacher_sample_feeds_every_sharing_run(procs, endpoints, broker_kwa
 def test_a_switch_in_one_run_never_discards_a_sharing_runs_samples(procs, endpoints, broker_kwargs) -> None:
     """Run a leaves the shared layer and comes back while b trains on it all along:
     b loses nothing, a only ever gets samples of its current layer and generation."""
-    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
+    # Runs are kept long after their students leave: b may finish seconds before a, and the
+    # broker's statistics of it are read only once both have.
+    broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2, run_grace_s=120.0).start()
     plans = {"a": {"layers": [0, 1, 0], "samples": 100}, "b": {"layers": [0], "samples": 400}}
     got = _start_runs(procs, endpoints, plans, share_model=True, workers=2)
     per_run = broker.stats.per_run
