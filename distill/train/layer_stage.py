@@ -26,7 +26,7 @@ from distill.train.joint import JointTraining, JointValidation
 from distill.train.losses import layer_loss
 from distill.train.modules import StageModule, build_stage_module, load_stage_replacements
 from distill.train.stopping import with_budget
-from distill.train.validation import LayerValidation, Validation
+from distill.train.validation import LayerValidation, Validation, by_str
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,3 @@ def span(layers: tuple[int, ...]) -> str:
     if len(layers) > 2 and list(layers) == list(range(layers[0], layers[-1] + 1)):
         return f"{layers[0]}-{layers[-1]}"
     return ",".join(map(str, layers))
-
-
-def by_str(values: dict[int, float]) -> dict[str, float]:
-    """JSON keys for per-layer values."""
-    return {str(k): v for k, v in values.items()}

@@ -31,12 +31,11 @@ from distill.stages import Stage
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext, barrier, broadcast_int, gradient_sync, is_sharded
 from distill.train.counters import StageCounters
-from distill.train.layer_stage import by_str
 from distill.train.stopping import STOP_PATIENCE, Patience, stop_reason
 from distill.train.supply import STARVED_FRACTION, Slots, WorkersSeen, teacher_bound_advice
 from distill.train.timing import timed
 from distill.train.transfer import BackgroundBatches, DevicePrefetcher, loader_batches
-from distill.train.validation import BestWeights, Validation
+from distill.train.validation import BestWeights, Validation, json_record
 from distill.transport import ADD_WORKER_SCRIPT, stage_dataset
 
 log = logging.getLogger(__name__)
@@ -242,7 +241,7 @@ class StageTrainer:
         ctx.log_metrics({"event": "stage_end", "stage": self.stage.index, "kind": self.stage.kind,
                          "layers": list(self.stage.layers), "steps": steps_done,
                          "tokens": counters.samples * ctx.cfg.data.seq_len * ctx.world_size,
-                         "wall_s": time.monotonic() - counters.started, **_json_record(val.record),
+                         "wall_s": time.monotonic() - counters.started, **json_record(val.record),
                          "best_step": best_step, "stopped": stopped, **supply})
         return val
 
@@ -299,7 +298,7 @@ class StageTrainer:
                                  scheduler=self.scheduler,
                                  best=None if is_sharded(self.module) else self.best.tensors,
                                  extra={"config": plain(self.ctx.cfg),
-                                        "best": _json_record(self.best.meta())},
+                                        "best": json_record(self.best.meta())},
                                  write=self.ctx.leader)
         barrier(self.ctx)
 
@@ -323,11 +322,6 @@ class StageTrainer:
             self._background = None
         self._loader_iter = None  # shuts DataLoader workers down; their pools unlink
         self.loader = None
-
-
-def _json_record(record: dict) -> dict:
-    """A validation record with JSON keys (per-layer dicts keyed by str)."""
-    return {key: by_str(value) if isinstance(value, dict) else value for key, value in record.items()}
 
 
 def train_stage(trainer: StageTrainer) -> None:

@@ -149,3 +149,13 @@ class BestWeights:
             return
         self.score, self.step, self.record = float(meta["score"]), int(meta["step"]), dict(meta["record"])
         self.tensors = tensors
+
+
+def by_str(values: dict[int, float]) -> dict[str, float]:
+    """JSON keys for per-layer values."""
+    return {str(k): v for k, v in values.items()}
+
+
+def json_record(record: dict) -> dict:
+    """A validation record with JSON keys (per-layer dicts keyed by str)."""
+    return {key: by_str(value) if isinstance(value, dict) else value for key, value in record.items()}

@@ -91,8 +91,6 @@ class Worker:
                               self.peer_id)
         self._committer = Committer(self.writer_id, cfg.checksum, self._sender, self.peer_id, self._segments)
         self._outbox: NoticeOutbox | None = None
-        self._lane: DirectLane | NoLane = NoLane()
-        """Notices and DIRECTs (``direct.py``), opened by :meth:`run` when notices are on."""
         self._cfgs = ModelConfigs()
         """The model configs WORKs sent us, by digest (a WORK carries its model's once)."""
         self._heart: Heartbeater | None = None
@@ -180,7 +178,13 @@ class Worker:
             return
         self._outbox = NoticeOutbox(cfg.notice_dir)
         lane = RequestLane.open(self.peer_id, cfg.notice_dir) if cfg.direct_requests else None
-        self._lane = self._batches.lane = DirectLane(self.peer_id, self._outbox, lane, self._token, self.max_batch)
+        self._batches.lane = DirectLane(self.peer_id, self._outbox, lane, self._token, self.max_batch)
+
+    @property
+    def _lane(self) -> DirectLane | NoLane:
+        """Notices and DIRECTs (``direct.py``): the batches' lane, opened by :meth:`run` when
+        notices are on (a :class:`NoLane` until then, and without them)."""
+        return self._batches.lane
 
     def start(self) -> Worker:
         self._thread = threading.Thread(target=self.run, name=f"worker-{self.worker_id}", daemon=True)
