@@ -276,6 +276,24 @@ def default_positions(
     return (torch.arange(seq_len, device=device) + past_length(cache, layer_idx)).unsqueeze(0)
 
 
+def positions_from_mask(
+    attention_mask: torch.Tensor | None, cache: Cache | None, seq_len: int, device: torch.device
+) -> torch.Tensor:
+    """Default position ids: each real token's index among the real tokens, as ``generate``
+    derives them, so that a left-padded batch given without ``position_ids`` gets each
+    sequence's own positions. A softmax layer with rotary embeddings does not care where a
+    sequence starts; a linear-attention feature map of rotated queries and keys does, so
+    without this a padded row differed from the same row alone. ``attention_mask`` over the
+    past and new positions, or over the new ones only (then after the cache's own count)."""
+    if attention_mask is None or attention_mask.ndim != 2:
+        return default_positions(None, cache, 0, seq_len, device)
+    counted_BL = attention_mask.to(device=device, dtype=torch.long).cumsum(-1) - 1
+    positions_BT = counted_BL[:, -seq_len:].clamp(min=0)
+    if attention_mask.shape[1] == seq_len:
+        positions_BT = positions_BT + past_length(cache, 0)
+    return positions_BT
+
+
 def new_token_mask(attention_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
     """The padding mask of the T new positions as float ``mask_BT``, or None without a mask.
 
@@ -1497,7 +1515,7 @@ class DistillLlamaModel(DistillLlamaPreTrainedModel):
             cache = DynamicCache(config=self.config)
         _check_cache(cache, self.config)
         if position_ids is None:
-            position_ids = default_positions(None, cache, 0, inputs_embeds.shape[1], inputs_embeds.device)
+            position_ids = positions_from_mask(attention_mask, cache, inputs_embeds.shape[1], inputs_embeds.device)
         if self.embed_positions is not None:
             inputs_embeds = inputs_embeds + self.embed_positions(position_ids)
         masks = self._teacher_masks(inputs_embeds, attention_mask, cache, position_ids)

@@ -255,6 +255,25 @@ def test_right_padded_batch_equals_one_by_one(kind: str, tmp_path: Path) -> None
     torch.testing.assert_close(batch_BTV[1, :6], alone_BTV[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+def test_left_padded_forward_without_positions_equals_one_by_one(kind: str, tmp_path: Path) -> None:
+    """A left-padded batch scored with a plain forward (tokenizer output, no ``position_ids``),
+    as a user scoring prompts does: each row's logits are those of the row alone. The teacher
+    gets this for free (rotary softmax attention does not care where a sequence starts); a
+    linear-attention feature map of rotated queries and keys does, so the student derives the
+    positions from the mask, as ``generate`` does (it differed by 0.6 in the logits before)."""
+    teacher = _decoder("llama")
+    out, _ = _export(teacher, kind, tmp_path)
+    student = load_student(str(out))
+    seqs = [_ids(1, seed=9)[0], _ids(1, seed=10)[0, :5]]
+    ids_BT, mask_BT = _left_padded(seqs)
+    with torch.no_grad():
+        batch_BTV = student(ids_BT, attention_mask=mask_BT).logits
+        for row, seq in enumerate(seqs):
+            alone_BTV = student(seq[None]).logits
+            torch.testing.assert_close(batch_BTV[row, -len(seq):], alone_BTV[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("kind", [*KINDS, "mixed"])
 def test_encoder_padded_batch_equals_one_by_one(kind: str, padding: str, tmp_path: Path) -> None:
