@@ -237,7 +237,8 @@ class Dispatcher:
         counters.discarded += num_discarded
         if run is not None:
             run.completed += num_rows
-            run.discarded += num_discarded
+            run.discarded += num_discarded - num_abandoned
+            run.abandoned += num_abandoned
         self.state.completed_rate.add(num_rows)
 
 

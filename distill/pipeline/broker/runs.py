@@ -52,6 +52,9 @@ class RunState:
     """Slots in ``queues``."""
     completed: int = 0
     discarded: int = 0
+    """Slots answered DISCARDED: computed for a generation the run has left (stale)."""
+    abandoned: int = 0
+    """Slots in flight when their student left (its segment gone): nobody waits for them."""
     leader_epoch: int = 0
     leader_id: str | None = None
     leader_key: bytes | None = None

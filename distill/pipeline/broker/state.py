@@ -136,4 +136,4 @@ class BrokerState:
 def run_entry(run: RunState) -> dict[str, Any]:
     """What STATS says of one run (its entry in ``per_run``)."""
     return {"generation": run.generation, "model_id": run.model_id, "queued": run.queued,
-            "completed": run.completed, "discarded": run.discarded}
+            "completed": run.completed, "discarded": run.discarded, "abandoned": run.abandoned}

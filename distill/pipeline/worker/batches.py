@@ -22,7 +22,7 @@ See docs/pipeline.md, sections The Python API and GPU paths.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 
 import zmq
 
@@ -258,6 +258,7 @@ class Batches:
         runs, live = self._shared_targets(body, failed)
         self._filler.refuse_shrunk(runs, failed)  # (the sample function writes into the rest)
         where = {idx: target for run in runs for idx, target in zip(run.idxs, run.targets, strict=True)}
+        sources = rehome_sources(sources, where.keys(), [idx for run in live for idx in run.idxs])
         needed = sorted({sources.get(idx, idx) for run in live for idx in run.idxs} & where.keys())
         try:
             lengths = self._make(body["model_id"], body.get("model_cfg"), [where[i] for i in needed])
@@ -332,3 +333,20 @@ class Batches:
 def _fail_waiting(left: list[tuple[dict, list[int]]], failed: Failures, why: str) -> None:
     for body, idxs in left:
         failed.setdefault(body["work_id"], {}).update(dict.fromkeys(idxs, why))
+
+
+def rehome_sources(sources: dict[int, int], writable: Container[int], wanted: Iterable[int]) -> dict[int, int]:
+    """Copy item -> source item, where a copy whose source has no slot to be made in (its
+    run's segment is gone: that student left, or its address was bad) is made in its own
+    slot instead, and the other copies of that source are copied from it. Without this, a
+    run that leaves fails every sample other runs were to copy from its slots, and they
+    ask again for what the teacher could have made for them in the same batch."""
+    rehomed: dict[int, int] = {}
+    moved: dict[int, int] = {}
+    for idx in wanted:
+        source = sources.get(idx, idx)
+        if source != idx and source not in writable:
+            source = moved.setdefault(source, idx)
+        if source != idx:
+            rehomed[idx] = source
+    return rehomed

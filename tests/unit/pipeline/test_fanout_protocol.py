@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from distill.pipeline.protocol import PROTOCOL_TAG, Command, ProtocolError, decode, encode
+from distill.pipeline.worker.batches import rehome_sources
 from distill.pipeline.worker.fill import shared_sources
 
 SHARED_WORK = {"work_id": 4, "run_id": "a", "generation": 2, "model_id": "layer_0", "model_cfg": {"layers": [0]},
@@ -45,3 +46,11 @@ def test_worker_reads_copies_as_item_to_source() -> None:
 def test_inconsistent_fan_out_work_is_refused_by_the_worker(change: dict, reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):
         shared_sources({**SHARED_WORK, **change})
+
+
+def test_a_copy_whose_source_cannot_be_written_is_made_in_its_own_slot() -> None:
+    """Run a left (its slots 0 and 1 cannot be written): b's copies of them are made in
+    b's own slots, the second copy of one source from the first, not failed."""
+    sources = {2: 0, 3: 0, 4: 1, 5: 6}
+    assert rehome_sources(sources, {2, 3, 4, 5, 6}, [2, 3, 4, 5]) == {3: 2, 5: 6}
+    assert rehome_sources(sources, {0, 1, 2, 3, 4, 5, 6}, [2, 3, 4, 5]) == sources

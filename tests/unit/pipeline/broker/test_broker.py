@@ -329,9 +329,12 @@ def test_a_failed_slot_is_a_warning_and_a_failure_unless_its_student_has_left(ca
     assert by_student == {b"a": [[0, 10, True], [1, 11, False]], b"b": [[0, 20, False]]}
     assert abandoned == 1
     state = BrokerState(BrokerConfig())
-    Dispatcher(state)._count_outcomes(None, by_student, {}, 0, abandoned, True)
+    run = state.runs.get_or_add("r", set)
+    Dispatcher(state)._count_outcomes(run, by_student, {b"a": [[2, 12]]}, 0, abandoned, True)
     counters = state.counters
-    assert (counters.completed, counters.failed, counters.discarded) == (1, 1, 1)
+    assert (counters.completed, counters.failed, counters.discarded) == (1, 1, 2)
+    # The run's own figures tell a stale slot (DISCARDED) from one nobody waits for any more.
+    assert (run.completed, run.discarded, run.abandoned) == (2, 1, 1)
 
 
 # --------------------------------------------------------------------------- peers and mediums
