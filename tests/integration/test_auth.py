@@ -19,7 +19,7 @@ from distill.pipeline import Broker, StudentClient, Worker, protocol
 from distill.pipeline.auth import CurveConfig, create_keys, secure_client
 from distill.pipeline.protocol import Command
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 
 ROOT = Path(__file__).parents[2]
 
@@ -49,7 +49,7 @@ def test_allowed_worker_and_student_complete_a_run(procs, tcp_endpoints, keys) -
     broker = _broker(tcp_endpoints, keys)
     worker = procs.start(peers.run_worker, tcp_endpoints, name="worker",
                          curve=CurveConfig.from_keys_dir(keys, "worker"))
-    results = SPAWN.Queue()
+    results = MP.Queue()
     student = procs.start(peers.run_student, tcp_endpoints, 0, 200, results, leader=True, batch_size=8,
                           name="student", curve=CurveConfig.from_keys_dir(keys, "student"))
     (result,) = procs.collect(results, 1, [worker, student], timeout_s=90)

@@ -21,7 +21,7 @@ import pytest
 from distill.pipeline import Broker, DistillIterableDataset, StudentClient, protocol
 from distill.pipeline.protocol import Command
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 from tests.hostile import (
     Peer,
     fetch_stats,
@@ -191,7 +191,7 @@ def test_a_stats_flood_with_a_thousand_runs_leaves_a_good_student_its_samples(pr
     broker = _start_broker(procs, endpoints, SLOW_BEAT_S)
     procs.start(peers.run_worker, endpoints, name="worker", direct_requests=False)
     maker = _make_runs(endpoints["frontend"], NUM_RUNS)
-    counts = SPAWN.Queue()
+    counts = MP.Queue()
     try:
         with StudentClient(0, 4, peers.batch_config(), endpoints["frontend"], endpoints["control"],
                            endpoints["control_pub"], heartbeat_interval_s=0.2, direct_requests=False) as client:
@@ -199,7 +199,7 @@ def test_a_stats_flood_with_a_thousand_runs_leaves_a_good_student_its_samples(pr
             generation = client.set_model("m")
             samples_per_s(client, generation, 0.5)  # warm up
             quiet = samples_per_s(client, generation, QUIET_S)
-            started = [SPAWN.Event() for _ in range(2)]
+            started = [MP.Event() for _ in range(2)]
             flooders = [procs.start(run_flooder, endpoints["frontend"], ("stats",), FLOOD_S + 30, counts,
                                     FLOOD_PER_S, started[i], name=f"flooder{i}") for i in range(2)]
             for i, event in enumerate(started):

@@ -19,7 +19,7 @@ import torch
 
 from distill.pipeline import Broker, DistillIterableDataset, StudentClient, Worker, setup_logging
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 
 SWITCHES = 6
 CHURN_EVERY_S = 0.5
@@ -137,7 +137,7 @@ def test_switching_while_workers_die_and_restart(procs, endpoints, broker_kwargs
                     run_grace_s=120).start()
     churn = WorkerChurn(endpoints, LIVE_WORKERS, CHURN_EVERY_S).start()
     try:
-        results = SPAWN.Queue()
+        results = MP.Queue()
         init_file = str(tmp_path / "dist_init")
         ranks = [procs.start(run_churn_rank, rank, 2, init_file, endpoints, SWITCHES, results,
                              name=f"rank{rank}") for rank in range(2)]
@@ -199,7 +199,7 @@ def test_broker_restart_under_dataloader_workers(procs, endpoints) -> None:
     the DataLoader workers' pools, not the leader's client, are asking for samples."""
     broker = procs.start(peers.run_broker, endpoints, HEARTBEAT_S, name="broker")
     procs.start(peers.run_worker, endpoints, name="worker", heartbeat_interval_s=HEARTBEAT_S)
-    results, restarted = SPAWN.Queue(), SPAWN.Event()
+    results, restarted = MP.Queue(), MP.Event()
     student = procs.start(run_restart_student, endpoints, 40, 80, results, restarted, name="student")
     assert procs.collect(results, 1, [student, broker], timeout_s=60) == ["before"]
     os.kill(broker.pid, signal.SIGKILL)

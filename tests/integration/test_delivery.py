@@ -16,9 +16,9 @@ def test_two_workers_two_students_dataloader_workers(procs, endpoints, broker_kw
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     for _ in range(2):
         procs.start(peers.run_worker, endpoints, name="worker")
-    from tests.conftest import SPAWN
+    from tests.conftest import MP
 
-    results = SPAWN.Queue()
+    results = MP.Queue()
     per_student = 5000
     students = [procs.start(peers.run_student, endpoints, rank, per_student, results, name=f"student{rank}",
                             leader=rank == 0, batch_size=batch_size, slot_count=SLOT_COUNT)

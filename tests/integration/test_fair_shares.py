@@ -19,7 +19,7 @@ import pytest
 from distill.pipeline import Broker, StudentClient
 from distill.pipeline.protocol import Command
 from tests import hostile, peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 from tests.hostile import Peer, fetch_stats, medium_name, request
 
 pytestmark = pytest.mark.timeout(90)
@@ -73,7 +73,7 @@ def test_free_connections_that_fill_the_queue_leave_a_good_student_its_share(pro
     _start_broker(procs, endpoints)
     # Every slot of the good student goes through the broker's queue (no direct requests).
     procs.start(peers.run_worker, endpoints, name="worker", direct_requests=False)
-    counts = SPAWN.Queue()
+    counts = MP.Queue()
     with StudentClient(0, 16, peers.batch_config(), endpoints["frontend"], endpoints["control"],
                        endpoints["control_pub"], heartbeat_interval_s=BEAT_S) as client:
         client.hello()

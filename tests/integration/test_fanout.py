@@ -7,7 +7,7 @@ import pytest
 
 from distill.pipeline import Broker
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 
 SPAWN_TIMEOUT_S = 120
 
@@ -17,7 +17,7 @@ def _start_runs(procs, endpoints, plans: dict[str, dict], *, share_model: bool, 
     """Start ``workers`` workers and one student per run (plans: run id -> kwargs of
     the student); all runs start asking at once. Returns each run's result."""
     started = [procs.start(peers.run_layer_worker, endpoints, name=f"worker{i}") for i in range(workers)]
-    results, start = SPAWN.Queue(), SPAWN.Barrier(len(plans))
+    results, start = MP.Queue(), MP.Barrier(len(plans))
     students = [procs.start(peers.run_sharing_student, endpoints, run_id, plan["layers"], plan["samples"],
                             results, start, share_model=share_model, name=run_id, **student_kwargs)
                 for run_id, plan in plans.items()]

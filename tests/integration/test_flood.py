@@ -18,7 +18,7 @@ import pytest
 
 from distill.pipeline import StudentClient
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 from tests.hostile import FLOOD_KINDS, fetch_stats, run_flooder, samples_per_s
 from tests.procfs import rss_bytes
 
@@ -36,7 +36,7 @@ than 1 on a 2-core machine, where the flooder's own sending takes most of a core
 def test_a_flooding_peer_neither_stalls_the_broker_nor_fills_its_memory(procs, endpoints) -> None:
     broker = procs.start(peers.run_broker, endpoints, name="broker")
     procs.start(peers.run_worker, endpoints, name="worker", direct_requests=False)
-    counts = SPAWN.Queue()
+    counts = MP.Queue()
     deadline = time.monotonic() + 60
     while fetch_stats(endpoints["frontend"], timeout_s=0.5) is None:
         assert broker.is_alive() and time.monotonic() < deadline, "the broker did not start"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from distill.pipeline import Broker
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 
 SWITCHES = 12
 
@@ -17,7 +17,7 @@ def test_switching_under_load_two_ddp_ranks(procs, endpoints, broker_kwargs, tmp
                     run_grace_s=120).start()
     for _ in range(2):
         procs.start(peers.run_worker, endpoints, name="worker", max_batch=8)
-    results = SPAWN.Queue()
+    results = MP.Queue()
     init_file = str(tmp_path / "dist_init")
     ranks = [procs.start(peers.run_switch_rank, rank, 2, init_file, endpoints, SWITCHES, results,
                          name=f"rank{rank}") for rank in range(2)]

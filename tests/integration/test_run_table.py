@@ -19,7 +19,7 @@ import pytest
 from distill.pipeline import Broker, BrokerRefusal, StudentClient
 from distill.pipeline.protocol import Command
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 from tests.hostile import Peer, fetch_stats, set_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -108,7 +108,7 @@ def test_a_refused_hello_or_set_model_fails_at_once_with_the_brokers_reason(endp
 def test_a_client_dropped_without_close_blocks_no_thread_and_stops_beating(
         procs, endpoints, broker_kwargs) -> None:
     broker = Broker(**broker_kwargs, heartbeat_interval_s=BEAT_S, max_runs=1).start()
-    results, done = SPAWN.Queue(), SPAWN.Event()
+    results, done = MP.Queue(), MP.Event()
     try:
         with _client(endpoints, "a") as live:
             live.hello()

@@ -7,7 +7,7 @@ import pytest
 
 from distill.pipeline import Broker
 from tests import peers
-from tests.conftest import SPAWN
+from tests.conftest import MP
 
 SPAWN_TIMEOUT_S = 120
 
@@ -16,7 +16,7 @@ SPAWN_TIMEOUT_S = 120
 def test_two_runs_at_different_layers_share_two_workers(procs, endpoints, broker_kwargs) -> None:
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     workers = [procs.start(peers.run_layer_worker, endpoints, name=f"worker{i}") for i in range(2)]
-    results = SPAWN.Queue()
+    results = MP.Queue()
     # Run a switches layer three times while run b trains on one layer all along.
     switching = procs.start(peers.run_layer_student, endpoints, "run-a", [1, 2, 3], 100, results, name="a")
     steady = procs.start(peers.run_layer_student, endpoints, "run-b", [5], 400, results, name="b")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import SPAWN, Procs
+from tests.conftest import MP, Procs
 
 WORLD = 2
 STEPS, ACCUM, RESUME_AT = 4, 2, 2
@@ -122,7 +122,7 @@ def _compare(rank: int, path: Path, trainable: str, results) -> None:
 def test_fsdp_trains_as_ddp_and_resumes_exactly(tmp_path: Path, procs: Procs) -> None:
     """trainable=all shards the whole student; replacements shards only them (the frozen
     teacher parts stay the teacher's own, unsharded)."""
-    results = SPAWN.Queue()
+    results = MP.Queue()
     init_file = str(tmp_path / "init")
     ranks = [procs.start(_rank, rank, init_file, str(tmp_path / "ckpt"), results, name=f"rank{rank}")
              for rank in range(WORLD)]
@@ -170,7 +170,7 @@ def _average_rank(rank: int, init_file: str, results) -> None:
 
 def test_average_gradients_reduces_as_ddp_does(tmp_path: Path, procs: Procs) -> None:
     """A joint stage trains without DDP (one backward per layer) and averages its gradients itself."""
-    results = SPAWN.Queue()
+    results = MP.Queue()
     ranks = [procs.start(_average_rank, rank, str(tmp_path / "init"), results, name=f"rank{rank}")
              for rank in range(WORLD)]
     (error,) = procs.collect(results, 1, ranks, timeout_s=120)
