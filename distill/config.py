@@ -5,9 +5,12 @@ file names its schema in its defaults list), so a typo in a key fails at compose
 time with Hydra's own message naming the key. Every choice is an enum declared
 here and nowhere else: OmegaConf refuses any other value at compose time, naming
 the key and the values it accepts, and the modules that act on a choice import
-its enum instead of keeping a list of their own. ``distill.modes.checks`` adds the
-checks a schema cannot express (a teacher path that does not exist, a layer out of
-range, ...), each naming the key and the fix.
+its enum instead of keeping a list of their own. A value its type allows but that
+cannot work (``student.steps_per_stage=0``, two hybrid budgets at once) is refused by
+its dataclass's ``__post_init__``, beside the field, whenever a typed config is made
+(``typed_config``, ``dataclasses.replace``); ``distill.modes.checks`` adds the checks
+that need more than the config (a teacher path that does not exist, a layer out of the
+teacher's range, room in /dev/shm, ...). Each names the key and the fix.
 
 The enums are ``StrEnum``: a member equals its string (``Loss.nmse == "nmse"``) and
 serialises as it, so the config files, checkpoint fingerprints and ``result.json``
@@ -25,7 +28,21 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from distill.errors import ConfigError
+
 CONF_DIR = Path(__file__).parent / "conf"
+
+MAX_SLEEP_PER_BATCH_S = 60.0
+"""Longest synthetic teacher batch (``teacher.sleep_per_batch_s``): beyond it a typo (ms for s)
+would stall the run for hours before anyone noticed."""
+
+
+def _at_least_one(prefix: str, node: Any, *keys: str) -> None:
+    """Each of ``keys`` of ``node`` is >= 1, or the error names it (``prefix.key=value``)."""
+    for key in keys:
+        value = getattr(node, key)
+        if value < 1:
+            raise ConfigError(f"{prefix}.{key}={value} must be >= 1")
 
 
 class Mode(StrEnum):
@@ -175,6 +192,12 @@ class TeacherConfig:
     ``pipeline.worker_max_batch / sleep_per_batch_s`` samples/s at most; docs/benchmarks.md,
     "Scaling with workers"). The samples are the teacher's own. 0 = off."""
 
+    def __post_init__(self) -> None:
+        if not (0 <= self.sleep_per_batch_s <= MAX_SLEEP_PER_BATCH_S):  # NaN fails too
+            raise ConfigError(f"teacher.sleep_per_batch_s={self.sleep_per_batch_s} must be between 0 (off) and "
+                              f"{MAX_SLEEP_PER_BATCH_S:g} seconds: it is how long each teacher batch takes at "
+                              "least (a synthetic slow teacher)")
+
 
 @dataclass
 class DataConfig:
@@ -264,6 +287,15 @@ class PipelineConfig:
     """Students: let runs training the same stage share teacher samples (one teacher pass
     feeds every opted-in run of a sweep; they then train on the same samples)."""
 
+    def __post_init__(self) -> None:
+        if self.slot_count < 1:
+            raise ConfigError(f"pipeline.slot_count={self.slot_count} must be >= 1 (a batch may be larger: "
+                              "its slots are refilled while it is gathered)")
+        if self.slot_count > self.max_queued_per_student:
+            raise ConfigError(f"pipeline.slot_count={self.slot_count} > pipeline.max_queued_per_student="
+                              f"{self.max_queued_per_student}: the broker would refuse the requests; raise "
+                              "pipeline.max_queued_per_student (on the broker too) or lower slot_count")
+
 
 @dataclass
 class DeviceConfig:
@@ -324,6 +356,20 @@ class E2EConfig:
     """``ddp`` or ``fsdp`` (FSDP2: trained parameters, gradients and optimizer state sharded over
     the ranks, for a student that does not fit one device); layer stages always use DDP."""
 
+    def __post_init__(self) -> None:
+        if self.steps <= 0:  # no such stage: nothing below is used
+            return
+        if self.top_k < 1 or not self.temperature > 0:
+            raise ConfigError(f"student.e2e.top_k={self.top_k} must be >= 1 and student.e2e.temperature="
+                              f"{self.temperature} > 0")
+        if self.parallel == Parallel.fsdp and self.trainable == Trainable.lora:
+            raise ConfigError("student.e2e.parallel=fsdp shards the trained weights, but LoRA adapters are "
+                              "small and merged into unsharded maps at the end: use student.e2e.parallel=ddp "
+                              "with trainable=lora, or trainable=replacements|all with fsdp")
+        if self.loss_chunk_tokens < 1:
+            raise ConfigError(f"student.e2e.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1 "
+                              "(1024 is a good default)")
+
 
 @dataclass
 class HybridConfig:
@@ -344,6 +390,18 @@ class HybridConfig:
     """What ranks the layers: ``kl`` or ``spliced`` (see HybridScore)."""
     steps: int = 50
     """Training steps per layer of the scoring pass."""
+
+    def __post_init__(self) -> None:
+        """One budget at most; the candidates' count is checked against the teacher (``modes/checks.py``)."""
+        if self.keep_softmax is not None and self.max_gap is not None:
+            raise ConfigError(f"student.hybrid.keep_softmax={self.keep_softmax} and student.hybrid.max_gap="
+                              f"{self.max_gap} are both set: choose one (the other null)")
+        if self.keep_softmax is None and self.max_gap is None:
+            return
+        if self.steps < 1:
+            raise ConfigError(f"student.hybrid.steps={self.steps} must be >= 1 (the scoring pass trains each layer)")
+        if self.max_gap is not None and not self.max_gap > 0:
+            raise ConfigError(f"student.hybrid.max_gap={self.max_gap} must be > 0 (0.02 = within 2%)")
 
 
 @dataclass
@@ -415,6 +473,14 @@ class StudentConfig:
     """The optional end-to-end stage after the layer stages (off while ``e2e.steps`` is 0)."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """Automatic choice of the layers to convert (off while ``keep_softmax`` and ``max_gap`` are null)."""
+
+    def __post_init__(self) -> None:
+        _at_least_one("student", self, "steps_per_stage", "micro_batch_size", "grad_accum_steps")
+        if self.patience and not self.val_every_steps:
+            raise ConfigError(f"student.patience={self.patience} needs periodic validation: "
+                              "set student.val_every_steps > 0, or patience=0")
+        if self.max_tokens_per_stage is not None and self.max_tokens_per_stage < 1:
+            raise ConfigError(f"student.max_tokens_per_stage={self.max_tokens_per_stage} must be >= 1, or null")
 
 
 @dataclass

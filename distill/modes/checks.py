@@ -9,6 +9,7 @@ the broker's start must not pay for importing models.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -16,7 +17,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import Config, Mode, Parallel, Source, Trainable, typed_config
+from distill.config import Config, Mode, Parallel, Source, typed_config
 from distill.errors import ConfigError
 from distill.model import family as families
 from distill.model.data import text_files
@@ -28,10 +29,6 @@ from distill.stages import max_positions, stage_layout
 from distill.train.sizing import DTYPE_BYTES, ModelShape, e2e_rank_floor, shm_bytes
 from distill.train.tracking import check_tracking
 from distill.transport import curve_config
-
-MAX_SLEEP_PER_BATCH_S = 60.0
-"""Longest synthetic teacher batch (``teacher.sleep_per_batch_s``): beyond it a typo (ms for s)
-would stall the run for hours before anyone noticed."""
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -50,20 +47,21 @@ def check_config(cfg: DictConfig) -> None:
 
 def _check_all(cfg: DictConfig) -> None:
     _check_missing(cfg)
-    config = typed_config(cfg)  # what the checks owned below modes/ read, as every mode passes it
-    _check_data(cfg)
-    _check_numbers(cfg)
-    _check_quality_settings(cfg)
+    # What every mode passes on; each schema dataclass checks its own keys as it is made
+    # (``distill.config``), the checks below those that need more than one group or the machine.
+    config = typed_config(cfg)
+    _check_data(config)
+    _check_hybrid(config)
     _check_family(config)
     num_layers, hidden = _teacher_shape(config)
     stages, batch_config = stage_layout(config, num_layers, hidden)
-    if cfg.mode in (Mode.student, Mode.local):
-        _check_shm(cfg, batch_config.nbytes(), max_positions(stages))
-    _check_devices(cfg)
+    if config.mode in (Mode.student, Mode.local):
+        _check_shm(config, batch_config.nbytes(), max_positions(stages))
+    _check_devices(config)
     _check_memory(config)
-    if cfg.mode == Mode.eval:
-        _check_eval(cfg)
-    if cfg.mode in (Mode.student, Mode.local):
+    if config.mode == Mode.eval:
+        _check_eval(config)
+    if config.mode in (Mode.student, Mode.local):
         check_tracking(config)  # the library of tracking=X is installed (its rank 0 student logs)
     _check_auth(config)
 
@@ -83,13 +81,13 @@ def _chosen(group: str) -> str | None:
     return HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
 
 
-def _check_data(cfg: DictConfig) -> None:
+def _check_data(cfg: Config) -> None:
     """data=text: the glob matches files now, not minutes later in a worker."""
     if cfg.mode in (Mode.local, Mode.student, Mode.worker) and cfg.data.source == Source.text:
         text_files(cfg.data.path)
 
 
-def _check_eval(cfg: DictConfig) -> None:
+def _check_eval(cfg: Config) -> None:
     """mode=eval needs an exported student and lm-evaluation-harness (an optional extra)."""
     student = cfg.lm_eval.student
     if not student or not os.path.isfile(os.path.join(str(student), "distill_student.json")):
@@ -99,65 +97,17 @@ def _check_eval(cfg: DictConfig) -> None:
         raise ConfigError("mode=eval needs lm-evaluation-harness: pip install -e '.[eval]' (or pip install lm-eval)")
 
 
-def _check_numbers(cfg: DictConfig) -> None:
-    if cfg.pipeline.slot_count < 1:
-        raise ConfigError(f"pipeline.slot_count={cfg.pipeline.slot_count} must be >= 1 (a batch may be larger: "
-                         "its slots are refilled while it is gathered)")
-    if cfg.pipeline.slot_count > cfg.pipeline.max_queued_per_student:
-        raise ConfigError(f"pipeline.slot_count={cfg.pipeline.slot_count} > pipeline.max_queued_per_student="
-                         f"{cfg.pipeline.max_queued_per_student}: the broker would refuse the requests; "
-                         "raise pipeline.max_queued_per_student (on the broker too) or lower slot_count")
-    for key in ("steps_per_stage", "micro_batch_size", "grad_accum_steps"):
-        if cfg.student[key] < 1:
-            raise ConfigError(f"student.{key}={cfg.student[key]} must be >= 1")
-    sleep_s = cfg.teacher.get("sleep_per_batch_s", 0.0)
-    if not (0 <= sleep_s <= MAX_SLEEP_PER_BATCH_S):  # NaN fails too
-        raise ConfigError(f"teacher.sleep_per_batch_s={sleep_s} must be between 0 (off) and "
-                         f"{MAX_SLEEP_PER_BATCH_S:g} seconds: it is how long each teacher batch takes at least "
-                         "(a synthetic slow teacher)")
-
-
-def _check_quality_settings(cfg: DictConfig) -> None:
-    """Closed-loop inputs, early stopping and the end-to-end stage."""
-    student = cfg.student
-    if student.patience and not student.val_every_steps:
-        raise ConfigError(f"student.patience={student.patience} needs periodic validation: "
-                         "set student.val_every_steps > 0, or patience=0")
-    if student.max_tokens_per_stage is not None and student.max_tokens_per_stage < 1:
-        raise ConfigError(f"student.max_tokens_per_stage={student.max_tokens_per_stage} must be >= 1, or null")
-    _check_hybrid(cfg)
-    e2e = student.e2e
-    if e2e.steps <= 0:
+def _check_hybrid(config: Config) -> None:
+    """An automatic hybrid leaves a layer to convert (its other settings are checked by
+    ``HybridConfig`` itself: this one needs the teacher's depth)."""
+    hybrid, student = config.student.hybrid, config.student
+    if hybrid.keep_softmax is None:
         return
-    if e2e.top_k < 1 or e2e.temperature <= 0:
-        raise ConfigError(f"student.e2e.top_k={e2e.top_k} must be >= 1 and student.e2e.temperature="
-                         f"{e2e.temperature} > 0")
-    if e2e.parallel == Parallel.fsdp and e2e.trainable == Trainable.lora:
-        raise ConfigError("student.e2e.parallel=fsdp shards the trained weights, but LoRA adapters are "
-                         "small and merged into unsharded maps at the end: use student.e2e.parallel=ddp "
-                         "with trainable=lora, or trainable=replacements|all with fsdp")
-    if e2e.loss_chunk_tokens < 1:
-        raise ConfigError(f"student.e2e.loss_chunk_tokens={e2e.loss_chunk_tokens} must be >= 1 (1024 is a good default)")
-
-
-def _check_hybrid(cfg: DictConfig) -> None:
-    """An automatic hybrid needs one budget, a scoring pass, and a layer left to convert."""
-    hybrid = cfg.student.hybrid
-    if hybrid.keep_softmax is not None and hybrid.max_gap is not None:
-        raise ConfigError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} and student.hybrid.max_gap="
-                         f"{hybrid.max_gap} are both set: choose one (the other null)")
-    if hybrid.keep_softmax is None and hybrid.max_gap is None:
-        return
-    if hybrid.steps < 1:
-        raise ConfigError(f"student.hybrid.steps={hybrid.steps} must be >= 1 (the scoring pass trains each layer)")
-    if hybrid.max_gap is not None and hybrid.max_gap <= 0:
-        raise ConfigError(f"student.hybrid.max_gap={hybrid.max_gap} must be > 0 (0.02 = within 2%)")
-    if hybrid.keep_softmax is not None:
-        candidates = len(set(cfg.student.layers)) if cfg.student.layers is not None else _teacher_shape(cfg)[0]
-        if not 0 <= hybrid.keep_softmax < candidates:
-            raise ConfigError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
-                             f"there are {candidates} candidate layers (student.layers) and at least one "
-                             "must be converted")
+    candidates = len(set(student.layers)) if student.layers is not None else _teacher_shape(config)[0]
+    if not 0 <= hybrid.keep_softmax < candidates:
+        raise ConfigError(f"student.hybrid.keep_softmax={hybrid.keep_softmax} must be in 0..{candidates - 1}: "
+                          f"there are {candidates} candidate layers (student.layers) and at least one "
+                          "must be converted")
 
 
 def _check_family(cfg: Config) -> None:
@@ -184,7 +134,7 @@ def _teacher_shape(cfg: Config) -> tuple[int, int]:
     return model_shape(model)
 
 
-def _check_shm(cfg: DictConfig, sample_bytes: int, positions: int) -> None:
+def _check_shm(cfg: Config, sample_bytes: int, positions: int) -> None:
     pools_per_rank = max(1, cfg.student.loader_workers)
     ranks = cfg.local.num_students if cfg.mode == Mode.local else 1
     need = shm_bytes(sample_bytes, cfg.pipeline.slot_count, cfg.student.loader_workers, ranks)
@@ -249,7 +199,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
-def _check_devices(cfg: DictConfig) -> None:
+def _check_devices(cfg: Config) -> None:
     """GPUs that exist, a teacher spread over GPUs with accelerate installed, and (mode=local)
     no GPU shared by a teacher worker and a student rank unless asked (``modes/placement.py``)."""
     if cfg.device.worker_gpus and importlib.util.find_spec("accelerate") is None:
@@ -258,7 +208,8 @@ def _check_devices(cfg: DictConfig) -> None:
     if cfg.mode == Mode.local:
         plan_local(cfg, torch.cuda.device_count())
     elif cfg.mode == Mode.worker and worker_gpus(cfg):
-        plan_local(OmegaConf.merge(cfg, {"device": {"student_gpu": False}}), torch.cuda.device_count())
+        teacher_only = dataclasses.replace(cfg, device=dataclasses.replace(cfg.device, student_gpu=False))
+        plan_local(teacher_only, torch.cuda.device_count())
 
 
 def _check_auth(cfg: Config) -> None:

@@ -115,7 +115,7 @@ def run_local(cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     log.info("run %s: teacher %s, %d worker(s), %d student rank(s); run dir %s", run_id, source,
              cfg.local.num_workers, cfg.local.num_students, out)
-    placement = plan_local(cfg, torch.cuda.device_count())  # checked at start-up already
+    placement = plan_local(config, torch.cuda.device_count())  # checked at start-up already
     if placement.worker_gpus or placement.student_gpus:
         log.info("placement: %s", placement.describe())
     socket_dir = _private_socket_dir(run_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from distill.config import Config
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,14 @@ class GpuPlacement:
         return f"teacher workers on {workers}, student ranks on {students}"
 
 
-def worker_gpus(cfg: DictConfig) -> tuple[int, ...]:
+def worker_gpus(cfg: Config) -> tuple[int, ...]:
     """The GPUs a worker's teacher takes: ``device.worker_gpus``, else ``device.worker_gpu``."""
     if cfg.device.worker_gpus:
         return tuple(int(g) for g in cfg.device.worker_gpus)
     return () if cfg.device.worker_gpu is None else (int(cfg.device.worker_gpu),)
 
 
-def plan_local(cfg: DictConfig, device_count: int) -> GpuPlacement:
+def plan_local(cfg: Config, device_count: int) -> GpuPlacement:
     """The placement of mode=local on a machine with ``device_count`` GPUs, or a ValueError
     naming the keys to change."""
     workers = worker_gpus(cfg)

@@ -15,7 +15,19 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from distill.__main__ import MODES
-from distill.config import CONF_DIR, Config, Mode, register_configs, typed_config
+from distill.config import (
+    CONF_DIR,
+    Config,
+    E2EConfig,
+    HybridConfig,
+    Mode,
+    PipelineConfig,
+    StudentConfig,
+    TeacherConfig,
+    register_configs,
+    typed_config,
+)
+from distill.errors import ConfigError
 
 GROUPS = ["mode", "teacher", "replacement", "data", "pipeline", "device", "student", "tracking"]
 REQUIRED = {"teacher/hf": ["teacher.name_or_path=/tmp"], "data/text": ["data.path=/tmp/*.txt"],
@@ -94,3 +106,24 @@ def test_an_installed_wheel_carries_the_config(tmp_path: Path) -> None:
     assert "distill/conf/config.yaml" in names
     for group, option in _options():
         assert f"distill/conf/{group}/{option}.yaml" in names
+
+
+@pytest.mark.parametrize(("make", "key"), [
+    (lambda: StudentConfig(steps_per_stage=0), "student.steps_per_stage"),
+    (lambda: StudentConfig(patience=2, val_every_steps=0), "student.patience"),
+    (lambda: PipelineConfig(slot_count=0), "pipeline.slot_count"),
+    (lambda: TeacherConfig(sleep_per_batch_s=float("nan")), "teacher.sleep_per_batch_s"),
+    (lambda: E2EConfig(steps=5, temperature=0.0), "student.e2e.temperature"),
+    (lambda: HybridConfig(keep_softmax=1, max_gap=0.02), "student.hybrid.keep_softmax"),
+])
+def test_each_schema_refuses_its_own_bad_keys_when_made(make, key: str) -> None:
+    """A typed config cannot hold a value its own schema refuses, however it was made (a
+    composed command, ``dataclasses.replace`` in code, a test): the check sits with the field."""
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        make()
+    E2EConfig(steps=0, temperature=0.0)  # no end-to-end stage: its settings are not used
+
+
+def test_typed_config_of_a_command_with_a_bad_key_names_it() -> None:
+    with pytest.raises(ConfigError, match=r"student\.micro_batch_size=0"):
+        typed_config(_compose(["student.micro_batch_size=0"]))

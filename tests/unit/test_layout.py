@@ -3,8 +3,8 @@ documented lazy ones.
 
 Layers, top to bottom (a module imports its own subpackage and the layers below it):
 ``distill`` / ``distill.__main__`` -> ``modes`` -> ``results`` -> ``train`` | ``teacher`` ->
-``stages`` | ``transport`` -> ``replacements`` -> ``model`` -> ``config`` -> ``pipeline`` (which
-imports nothing of the app). Parts on one layer (``a | b``) import neither each other: the
+``stages`` | ``transport`` -> ``replacements`` -> ``model`` -> ``config`` -> ``errors`` | ``pipeline``
+(which import nothing of the app; the schema's dataclasses raise ``ConfigError``). Parts on one layer (``a | b``) import neither each other: the
 student's library (``train``) and the teacher worker's (``teacher``) share only what lies below
 them, the stage layout first.
 Every import statement counts, at module level, inside functions or under TYPE_CHECKING.
@@ -19,7 +19,7 @@ PACKAGE_DIR = Path(__file__).parents[2] / "distill"
 
 RANKS = {"distill": 8, "distill.__main__": 8, "distill.modes": 7, "distill.results": 6, "distill.train": 5,
          "distill.teacher": 5, "distill.stages": 4, "distill.transport": 4, "distill.replacements": 3,
-         "distill.model": 2, "distill.config": 1, "distill.errors": 1, "distill.pipeline": 0}
+         "distill.model": 2, "distill.config": 1, "distill.errors": 0, "distill.pipeline": 0}
 """The layer of each top-level part of the package; higher may import lower, never the reverse."""
 
 LAZY_IMPORTS = {

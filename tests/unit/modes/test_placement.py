@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from distill.config import typed_config
 from distill.modes.placement import GpuPlacement, plan_local
 from tests.unit.test_config import _compose
 
 
 def _plan(overrides: list[str], gpus: int) -> GpuPlacement:
-    return plan_local(_compose(["mode=local", *overrides]), gpus)
+    return plan_local(typed_config(_compose(["mode=local", *overrides])), gpus)
 
 
 def test_students_go_where_no_teacher_is() -> None:
