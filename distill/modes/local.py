@@ -1,7 +1,8 @@
 """mode=local: broker, teacher workers and DDP students on one machine, in one command.
 
 The children are the same commands a user would start by hand (``python -m distill
-mode=broker``, ``mode=worker``, ``torchrun ... mode=student``) with this job's
+mode=broker``, ``mode=worker``, ``torchrun ... mode=student``; a single student rank
+runs ``mode=student`` with torchrun's environment but without the launcher) with this job's
 overrides plus a run id, a private socket directory and this job's run directory,
 so a sweep's jobs never share sockets or shared memory. While the job runs, its run
 directory holds ``add_worker.sh``: the same worker command, so more teachers can join
@@ -195,16 +196,25 @@ def _student_overrides(broker: Child) -> list[str]:
     return [f"pipeline.broker_pid={broker.proc.pid}"]
 
 
+SINGLE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+"""What torchrun would tell a job's only student rank: started without it, the rank is spared
+torchrun's own interpreter, its torch import and its rendezvous (about 2 s of CPU before the
+rank itself starts), and ignores any RANK/WORLD_SIZE of the user's shell."""
+
+
 def _spawn(name: str, overrides: list[str], out: Path, torchrun_ranks: int | None = None) -> Child:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if torchrun_ranks is None:
         cmd = [sys.executable, "-m", "distill", *overrides]
         log_path = out / f"{name}.out"
         stdout = open(log_path, "w")  # noqa: SIM115 - closed when the child is reaped
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={torchrun_ranks}", "-m", "distill", *overrides]
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_ranks}"]
+        if torchrun_ranks == 1:  # one rank needs no launcher (nor a process group): its environment only
+            launcher = []
+            env.update(SINGLE_RANK_ENV)
+        cmd = [sys.executable, *launcher, "-m", "distill", *overrides]
         log_path, stdout = out / f"{name}.err", None  # students print progress to our terminal, via a relay
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else subprocess.PIPE, env=env,
                             preexec_fn=_child_setup)
     relay = None
