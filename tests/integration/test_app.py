@@ -3,6 +3,7 @@ ranks as real processes; resume after kill -9; export, reload, evaluate; clean t
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from distill.errors import INTERRUPTED, INTERRUPTED_EXIT_CODE
 from distill.model.continuations import PROMPTS
 
 RUN_TIMEOUT_S = 300
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny(tmp_path: Path, layers: int = 3) -> list[str]:
@@ -291,3 +293,15 @@ def test_multirun_gives_each_job_its_own_run_and_a_summary(tmp_path: Path) -> No
     assert len(jobs) == 2
     summary = (tmp_path / "sweep" / "summary.md").read_text()
     assert "| mlp |" in summary and "| lowrank |" in summary  # the options typed, not classes
+    # bench/real.py scores a sweep's students against their teacher on a second corpus
+    corpus = tmp_path / "second.txt.gz"
+    with gzip.open(corpus, "wt") as f:
+        f.write("A corpus none of the runs trained on, long enough for a few chunks. " * 200)
+    bench = subprocess.run([sys.executable, str(ROOT / "bench" / "real.py"), *(str(job.parent) for job in jobs),
+                            f"--corpus={corpus}", "--corpus-chunks=4"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=RUN_TIMEOUT_S, env=_env())
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    table = bench.stdout.splitlines()
+    teacher_ppl = json.loads(jobs[0].read_text())["eval"]["teacher"]  # what the runs measured: the same split
+    assert re.fullmatch(rf"\| teacher \| {teacher_ppl:.2f} \| 1\.000x \| [0-9.]+ \| 1\.000x \|", table[2]), table
+    assert any("(mlp) |" in line for line in table) and any("(lowrank) |" in line for line in table), table
