@@ -280,7 +280,8 @@ def spliced_alone_kl(
     heldout_NT = _checked_chunks(heldout_NT, batch_size, None)
     sums, num_tokens = dict.fromkeys(replacements, 0.0), 0
     with torch.no_grad(), _eval_mode(teacher.model, *replacements.values()):
-        for batch_BT in heldout_NT.split(batch_size):
+        for batch_BT in tqdm(heldout_NT.split(batch_size), desc="each layer alone (KL)", unit="batch", leave=False,
+                             dynamic_ncols=True):
             inputs = _teacher_layer_inputs(teacher, batch_BT.to(teacher.device))
             teacher_ND = inputs[-1].flatten(0, 1)
             for idx, replacement in replacements.items():

@@ -35,6 +35,8 @@ import json
 import logging
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from distill.config import HybridScore, Inputs, StudentConfig
 from distill.model.evaluate import evaluate, metric_kind, score_student, spliced_alone_kl
 from distill.stages import Stage, layer_stages, scoring_stages
@@ -100,8 +102,12 @@ def score_layers(ctx: StudentContext, scoring: list[Stage]) -> dict[str, Any]:
     cost = kl if kind == HybridScore.kl else {layer: _gap(value, alone.teacher, alone.kind)
                                               for layer, value in alone.per_layer.items()}
     order = sorted(replacements, key=lambda layer: (cost[layer], layer))
+    # One student pass over the held-out chunks per point: on a deep teacher the longest part
+    # of the choice (30 passes for SmolLM2), so it shows a bar.
+    points = tqdm(range(1, len(order) + 1), desc="hybrid curve (layers converted)", unit="point", leave=False,
+                  dynamic_ncols=True)
     curve = [alone.teacher] + [score_student(teacher, {layer: replacements[layer] for layer in order[:n]},
-                                             heldout_NT, batch_size) for n in range(1, len(order) + 1)]
+                                             heldout_NT, batch_size) for n in points]
     return {"kind": metric_kind(teacher), "score": kind, "teacher": alone.teacher,
             "spliced_alone": {str(k): v for k, v in alone.per_layer.items()},
             "kl": {str(k): v for k, v in kl.items()}, "cost": {str(k): v for k, v in cost.items()},
