@@ -457,12 +457,13 @@ def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
     converted = set(hybrid["converted"])
     order = [int(layer) for layer in hybrid["order"]]
     kl_fmt = column_format(hybrid["kl"].values())
-    fmt = column_format([*hybrid["spliced_alone"].values(), *hybrid["curve"], hybrid["teacher"],
+    measured = [(n, value) for n, value in enumerate(hybrid["curve"]) if value is not None]  # keep_softmax: a few
+    fmt = column_format([*hybrid["spliced_alone"].values(), *(value for _, value in measured), hybrid["teacher"],
                          result.student if result is not None else None])
     rows = [f"| {layer} | {kl_fmt(hybrid['kl'][str(layer)])} | {fmt(hybrid['spliced_alone'][str(layer)])} | "
             f"{'converted' if layer in converted else '**kept (teacher)**'} |" for layer in order]
     curve = [f"| {n} | {', '.join(map(str, sorted(order[:n]))) or '–'} | {fmt(value)} |"
-             for n, value in enumerate(hybrid["curve"])]
+             for n, value in measured]
     final = ("" if result is None else
              f" The trained student, {len(converted)} layers converted: {fmt(result.student)}.")
     return "\n".join([
@@ -485,8 +486,8 @@ def plot_hybrid(hybrid: dict, result: EvalResult | None, out_png: str) -> str:
     fig = Figure(figsize=(6, 4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    counts = list(range(len(hybrid["curve"])))
-    ax.plot(counts, hybrid["curve"], marker="o", label=f"scoring pass ({hybrid['steps']} steps/layer)")
+    counts, values = zip(*((n, value) for n, value in enumerate(hybrid["curve"]) if value is not None), strict=True)
+    ax.plot(counts, values, marker="o", label=f"scoring pass ({hybrid['steps']} steps/layer)")
     ax.axhline(hybrid["teacher"], color="gray", linestyle="--", linewidth=1, label="teacher")
     if result is not None:
         ax.plot([len(hybrid["converted"])], [result.student], marker="*", markersize=12, linestyle="none",

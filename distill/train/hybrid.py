@@ -37,7 +37,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from distill.config import HybridScore, Inputs, StudentConfig
+from distill.config import HybridConfig, HybridScore, Inputs, StudentConfig
 from distill.model.evaluate import evaluate, metric_kind, score_student, spliced_alone_kl
 from distill.stages import Stage, layer_stages, scoring_stages
 from distill.train import checkpoint as ckpt
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 HYBRID_FILE = "hybrid.json"
 """The scoring pass's scores and choice, in the checkpoint directory."""
+
+MAX_CURVE_POINTS = 8
+"""Most points of the quality curve measured when the choice does not read it (``keep_softmax``)."""
 
 
 def scoring_config(student_cfg: StudentConfig) -> StudentConfig:
@@ -102,16 +105,30 @@ def score_layers(ctx: StudentContext, scoring: list[Stage]) -> dict[str, Any]:
     cost = kl if kind == HybridScore.kl else {layer: _gap(value, alone.teacher, alone.kind)
                                               for layer, value in alone.per_layer.items()}
     order = sorted(replacements, key=lambda layer: (cost[layer], layer))
-    # One student pass over the held-out chunks per point: on a deep teacher the longest part
-    # of the choice (30 passes for SmolLM2), so it shows a bar.
-    points = tqdm(range(1, len(order) + 1), desc="hybrid curve (layers converted)", unit="point", leave=False,
-                  dynamic_ncols=True)
-    curve = [alone.teacher] + [score_student(teacher, {layer: replacements[layer] for layer in order[:n]},
-                                             heldout_NT, batch_size) for n in points]
+    points = curve_points(len(order), ctx.cfg.student.hybrid)
+    # One student pass over the held-out chunks per point: on a deep teacher the longest part of
+    # the choice, so it shows a bar.
+    scored = {n: score_student(teacher, {layer: replacements[layer] for layer in order[:n]}, heldout_NT, batch_size)
+              for n in tqdm(points, desc="hybrid curve (layers converted)", unit="point", leave=False,
+                            dynamic_ncols=True)}
+    curve = [alone.teacher] + [scored.get(n) for n in range(1, len(order) + 1)]
     return {"kind": metric_kind(teacher), "score": kind, "teacher": alone.teacher,
             "spliced_alone": {str(k): v for k, v in alone.per_layer.items()},
             "kl": {str(k): v for k, v in kl.items()}, "cost": {str(k): v for k, v in cost.items()},
             "order": order, "curve": curve, "steps": ctx.cfg.student.hybrid.steps}
+
+
+def curve_points(num_candidates: int, hybrid_cfg: HybridConfig) -> list[int]:
+    """The numbers of converted layers (1..C) at which the curve is measured. ``max_gap``
+    chooses from the curve: every point. ``keep_softmax`` only shows it (the report's table and
+    plot): at most ``MAX_CURVE_POINTS``, spread over 1..C, the chosen count among them. On
+    SmolLM2 (30 candidates) the full curve cost about 12 of the choice's 15 minutes."""
+    if hybrid_cfg.max_gap is not None or num_candidates <= MAX_CURVE_POINTS:
+        return list(range(1, num_candidates + 1))
+    chosen = num_candidates - int(hybrid_cfg.keep_softmax or 0)
+    step = (num_candidates - 1) / (MAX_CURVE_POINTS - 2)
+    spread = {1 + round(i * step) for i in range(MAX_CURVE_POINTS - 1)}
+    return sorted(spread | {chosen})
 
 
 def choose(scores: dict[str, Any], hybrid_cfg: Any) -> dict[str, Any]:

@@ -189,6 +189,11 @@ def test_report_shows_the_hybrid_choice_and_its_curve(tmp_path: Path) -> None:
     assert "| 1 | 0.01000 | 30.20 | converted |" in text and "| 0 | 0.2000 | 33.00 | **kept (teacher)** |" in text
     assert "| 2 | 1, 2 | 31.10 |" in text and "trained student, 2 layers converted: 30.60" in text
     assert (tmp_path / "hybrid.png").read_bytes()[:4] == b"\x89PNG"
+    # keep_softmax on a deep teacher measures a few points of the curve: the others are not shown
+    sparse = {**hybrid, "curve": [30.0, 30.2, None, 34.5]}
+    text = Path(write_report(str(tmp_path), [], result, {}, {}, hybrid=sparse)).read_text()
+    assert "| 1 | 1 | 30.20 |" in text and "| 3 | 0, 1, 2 | 34.50 |" in text and "| 2 | 1, 2 |" not in text
+    assert (tmp_path / "hybrid.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------- issue 39 item 6

@@ -67,3 +67,13 @@ def test_a_hybrid_run_scores_every_layer_then_trains_only_those_it_converts(
     assert [(e["stage"], e["kind"], e["steps"]) for e in ends] == [
         (0, "score", 3), (1, "score", 3), (2, "score", 3), (3, "layers", 4), (4, "layers", 4)]
     assert ckpt.read_progress(ctx.checkpoint_dir)["finished"] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("budget", "candidates", "points"), [
+    ({"keep_softmax": 4, "max_gap": None}, 30, [1, 6, 11, 15, 20, 25, 26, 30]),  # the chosen 26 among them
+    ({"keep_softmax": 2, "max_gap": None}, 5, [1, 2, 3, 4, 5]),  # a short curve is measured whole
+    ({"keep_softmax": None, "max_gap": 0.02}, 30, list(range(1, 31))),  # the choice reads every point
+])
+def test_the_curve_is_measured_whole_only_where_the_choice_reads_it(budget: dict, candidates: int,
+                                                                    points: list[int]) -> None:
+    assert hybrid.curve_points(candidates, OmegaConf.create(budget)) == points
