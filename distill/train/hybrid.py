@@ -122,7 +122,7 @@ def curve_points(num_candidates: int, hybrid_cfg: HybridConfig) -> list[int]:
     """The numbers of converted layers (1..C) at which the curve is measured. ``max_gap``
     chooses from the curve: every point. ``keep_softmax`` only shows it (the report's table and
     plot): at most ``MAX_CURVE_POINTS``, spread over 1..C, the chosen count among them. On
-    SmolLM2 (30 candidates) the full curve cost about 12 of the choice's 15 minutes."""
+    SmolLM2 (30 candidates) the full curve was most of the choice's 15 minutes."""
     if hybrid_cfg.max_gap is not None or num_candidates <= MAX_CURVE_POINTS:
         return list(range(1, num_candidates + 1))
     chosen = num_candidates - int(hybrid_cfg.keep_softmax or 0)
