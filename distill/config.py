@@ -488,9 +488,34 @@ class LocalConfig:
     num_workers: int = 2
     """Teacher worker processes started by mode=local."""
     num_students: int = 1
-    """DDP student ranks started by mode=local (torchrun --nproc_per_node)."""
+    """DDP student ranks started by mode=local (torchrun --nproc_per_node; one rank runs without torchrun)."""
     startup_timeout_s: float = 600.0
     """Not read at present: students wait for the broker up to ``pipeline.broker_wait_s``."""
+
+
+@dataclass
+class ProfileConfig:
+    """Opt-in torch.profiler traces of where a run's time goes, written to ``<run dir>/profile/``:
+    a few steps of one stage on every student rank and a few batches of every teacher worker,
+    on the schedule torchtitan profiles with (skip ``wait`` steps, warm up for ``warmup``,
+    record ``active``), as a Chrome trace (chrome://tracing, Perfetto) and a table of the
+    costliest operators. Off by default: a trace costs time while it records."""
+
+    enabled: bool = False
+    """Profile (``profile.enabled=true``)."""
+    stage: int = 0
+    """The stage whose steps the students profile (its index in the run: 0 is the first stage)."""
+    wait: int = 1
+    """Steps (worker: batches) skipped first: the first step pays one-time costs."""
+    warmup: int = 1
+    """Steps traced but thrown away (the profiler's own start-up)."""
+    active: int = 3
+    """Steps (worker: batches) recorded."""
+
+    def __post_init__(self) -> None:
+        if self.wait < 0 or self.warmup < 0 or self.active < 1 or self.stage < 0:
+            raise ConfigError(f"profile.wait={self.wait}, profile.warmup={self.warmup} and profile.stage="
+                              f"{self.stage} must be >= 0, profile.active={self.active} >= 1")
 
 
 @dataclass
@@ -567,6 +592,8 @@ class Config:
     """What mode=local starts."""
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
     """mode=eval: lm-evaluation-harness settings."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Opt-in traces of a few student steps and teacher batches (``profile.enabled=true``)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Experiment tracking (the ``tracking`` group: none, tensorboard, wandb or mlflow): the rank-0
     student logs every number of metrics.jsonl, tagged ``stage_<i>/<event>/<key>`` (the final

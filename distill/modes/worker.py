@@ -16,6 +16,7 @@ from distill.config import Config, typed_config
 from distill.model.sources import load_chunks, load_tokenizer, load_worker_teacher
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
+from distill.profiling import PROFILE_DIR, ProfiledBatchFn, StepProfiler, step_profiler
 from distill.stages import stage_layout
 from distill.teacher.targets import SleepingTeacher, TeacherTargets, sample_seed
 from distill.teacher.timing import TimedBatchFn, TimingWriter
@@ -24,8 +25,9 @@ from distill.transport import worker_kwargs
 log = logging.getLogger(__name__)
 
 
-def build_worker(cfg: Config) -> Worker:
-    """The teacher, its data and the Worker that serves them, as configured."""
+def build_worker(cfg: Config, profiler: StepProfiler | None = None) -> Worker:
+    """The teacher, its data and the Worker that serves them, as configured (its batches
+    the steps of ``profiler``, when given)."""
     teacher = load_worker_teacher(cfg)
     chunks = load_chunks(cfg, load_tokenizer(cfg))
     _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
@@ -34,6 +36,8 @@ def build_worker(cfg: Config) -> Worker:
     if sleep_s > 0:
         log.info("synthetic slow teacher: every batch takes at least %g s (teacher.sleep_per_batch_s)", sleep_s)
     batch_fn = SleepingTeacher(targets, sleep_s) if sleep_s > 0 else targets
+    if profiler is not None:
+        batch_fn = ProfiledBatchFn(batch_fn, profiler)
     timed = TimedBatchFn(batch_fn, copy_s=lambda: targets.to_slots.copy_s)
     return Worker(batch_fn=timed, batch_config=batch_config, **worker_kwargs(cfg))
 
@@ -42,7 +46,9 @@ def run_worker(cfg: DictConfig) -> None:
     """Serve teacher targets until the broker publishes STOP."""
     configure_logging(cfg)
     exit_on_sigterm()
-    worker = build_worker(typed_config(cfg))
+    config = typed_config(cfg)
+    profiler = step_profiler(config.profile, run_dir() / PROFILE_DIR, f"worker_{os.getpid()}")
+    worker = build_worker(config, profiler)
     log.info("teacher worker ready (%d-byte samples, batches of up to %d); waiting for work from the broker at %s",
              worker.slot_size, worker.max_batch, worker.backend_endpoint)
     writer = TimingWriter(worker.batch_fn.snapshot, run_dir() / f"teacher_time.{os.getpid()}.json").start()
@@ -50,3 +56,5 @@ def run_worker(cfg: DictConfig) -> None:
         worker.run()
     finally:
         writer.stop()
+        if profiler is not None:  # a run of fewer batches than the schedule: what was recorded
+            profiler.close()

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from distill.config import StudentConfig, plain
+from distill.profiling import PROFILE_DIR, StepProfiler, step_profiler
 from distill.stages import Stage
 from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext, barrier, broadcast_int, gradient_sync, is_sharded
@@ -178,24 +179,38 @@ class StageTrainer:
         workers.note(self.ctx.client.live_workers)
         if self.task.validate_at_start and self.start_step == 0:
             val, validated_at = self._timed_validate(0), 0
-        for step in range(self.start_step, total):
-            losses, grad_norm = self._step(step == self.start_step, accum, counters)
-            workers.note(self.ctx.client.live_workers)
-            bar.update(1)
-            done = steps_done = step + 1
-            if done % self.scfg.log_every_steps == 0 or done == total:
-                self._log_train(done, losses, grad_norm, counters, bar)
-            if self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total:
-                val, validated_at = self._timed_validate(done), done
-                if self._out_of_patience(val):
-                    stopped = STOP_PATIENCE
-                    break
-            if self.scfg.checkpoint_every_steps and done % self.scfg.checkpoint_every_steps == 0 \
-                    and done < total:
-                with timed(self.ctx.timings, "checkpoint_s"):
-                    self.save_checkpoint(done)
+        profiler = self._profiler()
+        try:
+            for step in range(self.start_step, total):
+                losses, grad_norm = self._step(step == self.start_step, accum, counters)
+                if profiler is not None:
+                    profiler.step()
+                workers.note(self.ctx.client.live_workers)
+                bar.update(1)
+                done = steps_done = step + 1
+                if done % self.scfg.log_every_steps == 0 or done == total:
+                    self._log_train(done, losses, grad_norm, counters, bar)
+                if self.scfg.val_every_steps and done % self.scfg.val_every_steps == 0 and done < total:
+                    val, validated_at = self._timed_validate(done), done
+                    if self._out_of_patience(val):
+                        stopped = STOP_PATIENCE
+                        break
+                if self.scfg.checkpoint_every_steps and done % self.scfg.checkpoint_every_steps == 0 \
+                        and done < total:
+                    with timed(self.ctx.timings, "checkpoint_s"):
+                        self.save_checkpoint(done)
+        finally:
+            if profiler is not None:
+                profiler.close()
         bar.close()
         return self._end(val, validated_at, steps_done, stopped, counters, workers)
+
+    def _profiler(self) -> StepProfiler | None:
+        """This rank's profiler of the stage ``profile.stage`` (``distill.profiling``), else None."""
+        cfg = self.ctx.cfg.profile
+        if cfg.stage != self.stage.index:
+            return None
+        return step_profiler(cfg, self.ctx.out_dir / PROFILE_DIR, f"student_rank{self.ctx.rank}_stage{self.stage.index}")
 
     def _step(self, first: bool, accum: int, counters: StageCounters) -> tuple[dict[int, float], float]:
         """One optimizer step over ``accum`` micro-batches, counted in ``counters``: the last

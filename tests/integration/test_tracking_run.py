@@ -40,7 +40,8 @@ def test_a_local_run_is_read_back_from_tensorboard(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "distill", "mode=local", "tracking=tensorboard", *_tiny(tmp_path),
-                             "run_id=tracked", f"checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={run_dir}"],
+                             "run_id=tracked", f"checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={run_dir}",
+                             "profile.enabled=true", "profile.active=2"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -53,6 +54,11 @@ def test_a_local_run_is_read_back_from_tensorboard(tmp_path: Path) -> None:
     assert figures[("eval/student", 0)] == pytest.approx(evaluation["eval"]["student"], rel=1e-6)
     assert figures[("eval/decode/speedup", 0)] == pytest.approx(evaluation["decode"]["speedup"], rel=1e-6)
     assert hparams["run_id"] == "tracked" and hparams["student.steps_per_stage"] == 4
+    # profile.enabled: stage 0's steps on the student rank and the workers' batches, traced
+    profiles = sorted(path.name for path in (run_dir / "profile").iterdir())
+    assert "student_rank0_stage0.trace.json" in profiles and "student_rank0_stage0.ops.txt" in profiles
+    assert any(name.startswith("worker_") and name.endswith(".trace.json") for name in profiles), profiles
+    assert not any("stage1" in name for name in profiles)
 
 
 def test_tracking_with_a_missing_library_is_one_line_before_any_process(tmp_path: Path) -> None:

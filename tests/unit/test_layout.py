@@ -19,7 +19,7 @@ PACKAGE_DIR = Path(__file__).parents[2] / "distill"
 
 RANKS = {"distill": 8, "distill.__main__": 8, "distill.modes": 7, "distill.results": 6, "distill.train": 5,
          "distill.teacher": 5, "distill.stages": 4, "distill.transport": 4, "distill.replacements": 3,
-         "distill.model": 2, "distill.config": 1, "distill.errors": 0, "distill.pipeline": 0}
+         "distill.model": 2, "distill.profiling": 2, "distill.config": 1, "distill.errors": 0, "distill.pipeline": 0}
 """The layer of each top-level part of the package; higher may import lower, never the reverse."""
 
 LAZY_IMPORTS = {
