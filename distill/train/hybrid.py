@@ -44,6 +44,7 @@ from distill.train import checkpoint as ckpt
 from distill.train.context import StudentContext, barrier, broadcast_ints
 from distill.train.layer_stage import LayerTask
 from distill.train.modules import load_stage_replacements
+from distill.train.timing import timed
 from distill.train.trainer import StageTrainer, train_stage
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ def run_hybrid(ctx: StudentContext, finished: set[int]) -> list[Stage]:
                 continue
             train_stage(StageTrainer(ctx, LayerTask(ctx, stage, scoring_config(ctx.cfg.student))))
         if ctx.leader:
-            choice = choose(score_layers(ctx, scoring), ctx.cfg.student.hybrid)
+            with timed(ctx.timings, "hybrid_choice_s"):
+                choice = choose(score_layers(ctx, scoring), ctx.cfg.student.hybrid)
             ckpt.write_json_atomic(ctx.checkpoint_dir / HYBRID_FILE, choice)
         barrier(ctx)
     converted = broadcast_ints(list(choice["converted"]) if ctx.leader else [], ctx)

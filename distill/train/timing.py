@@ -40,8 +40,11 @@ STUDENT_PHASES = (
     ("stage_setup_s", "student stage setup (replacements, held-out teacher targets)"),
     ("validation_s", "student validation"),
     ("checkpoint_s", "student checkpoints and stage weights"),
+    ("hybrid_choice_s", "student: the automatic hybrid's choice (each layer scored alone, the quality curve)"),
     ("export_s", "student assembly and export"),
     ("evaluate_s", "student evaluation"),
+    ("decode_s", "student decoding figures (speed and continuations, teacher and student)"),
+    ("assist_s", "student assisted-decoding figures"),
 )
 """(key in the student's ``timings``, row of the split): the student's phases outside
 its training steps, in the order a run goes through them."""

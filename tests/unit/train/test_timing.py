@@ -88,7 +88,7 @@ def test_teacher_counters_reach_the_run_dir(tmp_path: Path) -> None:
 def test_time_split_student_lane_adds_up_to_the_wall_time() -> None:
     teachers = [{"teacher_s": 30.0, "copy_s": 2.0}, {"teacher_s": 20.0, "copy_s": 4.0}]
     phases = {"student_start_s": 8.0, "stage_setup_s": 3.0, "validation_s": 2.0, "checkpoint_s": 1.0,
-              "export_s": 1.5, "evaluate_s": 6.0}
+              "hybrid_choice_s": 0.0, "export_s": 1.5, "evaluate_s": 6.0, "decode_s": 0.0, "assist_s": 0.0}
     rows = dict(time_split(100.0, {"student_compute_s": 50.0, "student_wait_s": 10.0,
                                    "student_startup_wait_s": 4.0, **phases}, teachers, 5.0))
     assert rows["teacher forward (mean per worker)"] == 25.0
