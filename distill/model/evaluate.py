@@ -74,6 +74,9 @@ class EvalResult:
     per_layer_tokens: int | None = None
     """Tokens the spliced-alone scores were measured on, where fewer than ``num_tokens`` (a deep
     student: see `per_layer_batches`); None when on all of them."""
+    per_layer_teacher: float | None = None
+    """The teacher's score on those ``per_layer_tokens`` alone, what the spliced-alone scores
+    compare to (a few chunks' perplexity is not the whole held-out set's); None with them."""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (per_layer keys become strings there, as JSON requires)."""
@@ -92,6 +95,7 @@ class EvalResult:
             identity=None if data.get("identity") is None else float(data["identity"]),
             per_layer_layer_stages=None if before is None else _by_int(before),
             per_layer_tokens=None if data.get("per_layer_tokens") is None else int(data["per_layer_tokens"]),
+            per_layer_teacher=None if data.get("per_layer_teacher") is None else float(data["per_layer_teacher"]),
         )
 
     @property
@@ -192,7 +196,7 @@ def _score_batch(
     totals.add_identity(score(_run_layers(teacher, skipped, inputs[first_idx], first_idx)))
     if not alone:
         return
-    totals.add_alone_tokens(_num_scored(kind, batch_BT))
+    totals.add_alone_tokens(_num_scored(kind, batch_BT), teacher_score)
     for idx, replacement in replacements.items():
         alone_BTD = _run_layers(
             teacher, _spliced_alone(teacher, idx, replacement), inputs[idx], idx
@@ -235,6 +239,7 @@ class _Totals:
         self.identity: float | None = None
         self.per_layer = dict.fromkeys(layer_idxs, 0.0)
         self.alone_tokens = 0
+        self.alone_teacher = 0.0
 
     def add_teacher(self, score_sum: float, num_tokens: int) -> None:
         self.teacher += score_sum
@@ -249,11 +254,13 @@ class _Totals:
     def add_layer(self, idx: int, score_sum: float) -> None:
         self.per_layer[idx] += score_sum
 
-    def add_alone_tokens(self, num_tokens: int) -> None:
+    def add_alone_tokens(self, num_tokens: int, teacher_sum: float) -> None:
         self.alone_tokens += num_tokens
+        self.alone_teacher += teacher_sum
 
     def result(self, kind: str) -> EvalResult:
         """Per-token means; perplexity (exp of the mean NLL) for "lm"."""
+        subset = 0 < self.alone_tokens < self.num_tokens
         return EvalResult(
             kind=kind,
             teacher=self._finish(kind, self.teacher),
@@ -261,7 +268,8 @@ class _Totals:
             per_layer={idx: self._finish(kind, total, self.alone_tokens) for idx, total in self.per_layer.items()},
             num_tokens=self.num_tokens,
             identity=None if self.identity is None else self._finish(kind, self.identity),
-            per_layer_tokens=self.alone_tokens if self.alone_tokens < self.num_tokens else None,
+            per_layer_tokens=self.alone_tokens if subset else None,
+            per_layer_teacher=self._finish(kind, self.alone_teacher, self.alone_tokens) if subset else None,
         )
 
     def _finish(self, kind: str, total: float, num_tokens: int | None = None) -> float:

@@ -393,9 +393,12 @@ def _layer_intro(result: EvalResult | None, fmt: Any) -> str:
     tokens = (f" on the first {result.per_layer_tokens:,} of the {result.num_tokens:,} held-out tokens (splicing "
               "each layer alone re-runs the layers after it; the figures are bounded to cost no more than "
               "the whole student's)" if result.per_layer_tokens else "")
+    teacher = (f"the teacher on those tokens: {fmt(result.per_layer_teacher)}, on all of them "
+               f"{fmt(result.teacher)}" if result.per_layer_teacher is not None
+               else f"teacher: {fmt(result.teacher)}")
     return (
         f"Spliced-alone metric: held-out {metric} of the teacher with only that layer "
-        f"replaced{after_e2e}{tokens} (teacher: {fmt(result.teacher)}). Validation losses: against the "
+        f"replaced{after_e2e}{tokens} ({teacher}). Validation losses: against the "
         f"teacher's output of the layer, fed the teacher's input or the student's own. {ratios}"
     )
 
@@ -459,6 +462,7 @@ def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
     kl_fmt = column_format(hybrid["kl"].values())
     measured = [(n, value) for n, value in enumerate(hybrid["curve"]) if value is not None]  # keep_softmax: a few
     fmt = column_format([*hybrid["spliced_alone"].values(), *(value for _, value in measured), hybrid["teacher"],
+                         hybrid.get("spliced_teacher"),
                          result.student if result is not None else None])
     rows = [f"| {layer} | {kl_fmt(hybrid['kl'][str(layer)])} | {fmt(hybrid['spliced_alone'][str(layer)])} | "
             f"{'converted' if layer in converted else '**kept (teacher)**'} |" for layer in order]
@@ -472,7 +476,8 @@ def _hybrid_section(hybrid: dict, result: EvalResult | None) -> str:
         f"({hybrid['steps']} steps, teacher inputs) and scored its conversion alone on the held-out "
         f"chunks by `{hybrid['score']}`; converted layers {hybrid['converted']}, kept layers "
         f"{hybrid['kept'] or 'none'} as the teacher's own.", "",
-        f"| layer (cheapest first) | {kl_name} | spliced-alone {metric} | choice |", "| --- | --- | --- | --- |",
+        f"| layer (cheapest first) | {kl_name} | spliced-alone {metric} (teacher on the same tokens: "
+        f"{fmt(hybrid.get('spliced_teacher', hybrid['teacher']))}) | choice |", "| --- | --- | --- | --- |",
         *rows, "",
         f"Held-out {metric} of the scoring-pass student by layers converted (teacher: {fmt(hybrid['teacher'])})."
         f"{final}", "",

@@ -104,7 +104,8 @@ def score_layers(ctx: StudentContext, scoring: list[Stage]) -> dict[str, Any]:
     else:  # an encoder's output is its final hidden state
         kl = {layer: 1.0 - value for layer, value in alone.per_layer.items()}
     kind = ctx.cfg.student.hybrid.score
-    cost = kl if kind == HybridScore.kl else {layer: _gap(value, alone.teacher, alone.kind)
+    reference = alone.per_layer_teacher if alone.per_layer_teacher is not None else alone.teacher  # same tokens
+    cost = kl if kind == HybridScore.kl else {layer: _gap(value, reference, alone.kind)
                                               for layer, value in alone.per_layer.items()}
     order = sorted(replacements, key=lambda layer: (cost[layer], layer))
     points = curve_points(len(order), ctx.cfg.student.hybrid)
@@ -115,7 +116,7 @@ def score_layers(ctx: StudentContext, scoring: list[Stage]) -> dict[str, Any]:
                             dynamic_ncols=True)}
     curve = [alone.teacher] + [scored.get(n) for n in range(1, len(order) + 1)]
     return {"kind": metric_kind(teacher), "score": kind, "teacher": alone.teacher,
-            "spliced_alone": {str(k): v for k, v in alone.per_layer.items()},
+            "spliced_alone": {str(k): v for k, v in alone.per_layer.items()}, "spliced_teacher": reference,
             "kl": {str(k): v for k, v in kl.items()}, "cost": {str(k): v for k, v in cost.items()},
             "order": order, "curve": curve, "steps": ctx.cfg.student.hybrid.steps}
 

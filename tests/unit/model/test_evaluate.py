@@ -188,4 +188,7 @@ def test_spliced_alone_scores_on_fewer_tokens_are_those_of_the_first_batches(mon
     monkeypatch.setattr("distill.model.evaluate.per_layer_batches", lambda num_batches, *_: num_batches)
     first = evaluate(teacher, replacements, heldout_NT[: 2 * alone_batches], batch_size=2)  # all of them
     assert result.per_layer == pytest.approx(first.per_layer, rel=1e-6)
+    # what they compare to: the teacher on the same tokens, not on the whole held-out set
+    assert result.per_layer_teacher == pytest.approx(first.teacher, rel=1e-6) and first.per_layer_teacher is None
+    assert result.per_layer_teacher != pytest.approx(result.teacher, rel=1e-3)
     assert EvalResult.from_dict(result.to_dict()) == result

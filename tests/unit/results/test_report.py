@@ -196,6 +196,16 @@ def test_report_shows_the_hybrid_choice_and_its_curve(tmp_path: Path) -> None:
     assert (tmp_path / "hybrid.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_spliced_alone_scores_on_a_subset_name_the_teacher_on_that_subset(tmp_path: Path) -> None:
+    """A deep student's spliced-alone perplexities are measured on the first few chunks: set
+    beside the teacher's on all of them, every layer alone would look 20% worse than it is."""
+    result = EvalResult(kind="lm", teacher=29.36, student=30.22, per_layer={0: 35.77, 1: 35.52}, num_tokens=4064,
+                        per_layer_tokens=1016, per_layer_teacher=35.40)
+    text = Path(write_report(str(tmp_path), [], result, {}, {})).read_text()
+    assert "on the first 1,016 of the 4,064 held-out tokens" in text
+    assert "the teacher on those tokens: 35.40, on all of them 29.36" in text
+
+
 # ---------------------------------------------------------------------- issue 39 item 6
 
 
