@@ -87,7 +87,11 @@ def heldout_chunks(tokenizer, data: dict) -> torch.Tensor:
 
 
 def perplexity(model: torch.nn.Module, chunks_NT: torch.Tensor, batch_size: int) -> float:
-    """exp(mean next-token NLL) over every chunk (whole chunks, no padding)."""
+    """exp(mean next-token NLL) over every chunk (whole chunks, no padding), from the logits
+    of the model's own forward: not ``distill.model.evaluate.perplexity_of``, which reads a
+    ``Teacher``'s parts, because here each model is scored as loaded (a family's final
+    logit soft-capping included). On the runs' held-out chunks the teacher's figure equals
+    the app's (``test_app``'s multirun test holds it)."""
     nll, tokens = 0.0, 0
     with torch.no_grad():
         for batch_BT in chunks_NT.split(batch_size):
