@@ -113,4 +113,5 @@ def test_mode_eval_scores_student_and_teacher_on_a_local_task(tmp_path: Path) ->
     (row,) = result["rows"]
     assert (row["task"], row["metric"]) == ("distill_tiny_mc", "acc")
     assert all(value in {i / 6 for i in range(7)} for value in (row["teacher"], row["student"]))
+    assert row["teacher_stderr"] is not None and row["student_stderr"] is not None  # the table says ± for each
     assert "| distill_tiny_mc | acc |" in (tmp_path / "out" / "eval.md").read_text()
