@@ -89,7 +89,7 @@ class DirectDataset(DistillIterableDataset):
     """The real dataset, its pool asking its workers directly (started with the pool)."""
 
     def __init__(self, kids: Children, workers: int, lane_dir: str, **kwargs: object) -> None:
-        super().__init__(**kwargs, notice_dir=lane_dir)
+        super().__init__(**kwargs, socket_dir=lane_dir)
         self.kids, self.workers, self.lane_dir = kids, workers, lane_dir
         self.worker_pids: list[int] = []
 

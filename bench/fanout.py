@@ -3,7 +3,7 @@
 N student runs (N = 1, 2, 4; each its own run id, leader and slots, as the jobs of a
 sweep) train on the same stage against ONE broker and ONE teacher worker, with
 fan-out off (every run's samples are computed for it alone) and on
-(``share_model=True``: one teacher sample fills a slot of every run that asks).
+(``fan_out=True``: one teacher sample fills a slot of every run that asks).
 The teacher is the small seeded Llama of ``bench/teacher.py`` (hidden 256, 4
 layers, seq_len 128, random weights), ``TeacherTargets`` as the worker's
 ``batch_fn`` with ``max_batch=8``; the stage trains the last layer (the most teacher
@@ -78,12 +78,12 @@ def run_worker(parent_pid: int, ready, endpoints: dict[str, str], positions: int
 
 
 def run_student(parent_pid: int, ready, endpoints: dict[str, str], run_id: str, stage: Stage,
-                share_model: bool, start, stop, delivered) -> None:
+                fan_out: bool, start, stop, delivered) -> None:
     """One run: leads its own stage switch, then takes samples until ``stop``."""
     child_init(parent_pid)
     config = sample_batch_config(len(stage.positions), SEQ_LEN, HIDDEN, DTYPE)
     with StudentClient(0, SLOTS_PER_STUDENT, config, endpoints["frontend"], endpoints["control"],
-                       endpoints["control_pub"], run_id=run_id, share_model=share_model) as client:
+                       endpoints["control_pub"], run_id=run_id, fan_out=fan_out) as client:
         client.hello()
         client.set_model(stage.model_id, stage.model_cfg)
         ready.set()

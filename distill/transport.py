@@ -99,7 +99,7 @@ def worker_kwargs(cfg: Config) -> dict[str, Any]:
     return {"backend_endpoint": eps["backend"], "control_pub_endpoint": eps["control_pub"],
             "max_batch": cfg.pipeline.worker_max_batch, **_heartbeats(cfg),
             "local_shm": cfg.pipeline.local_shm, "curve": curve_config(cfg),
-            "notify_students": cfg.pipeline.notices, "notice_dir": cfg.pipeline.socket_dir,
+            "notices": cfg.pipeline.notices, "socket_dir": cfg.pipeline.socket_dir,
             "direct_requests": cfg.pipeline.direct_requests}
 
 
@@ -112,7 +112,7 @@ def control_client(cfg: Config, rank: int, batch_config: BatchConfig) -> Student
     eps = endpoints(cfg)
     return StudentClient(rank, 1, batch_config, eps["frontend"], eps["control"], eps["control_pub"],
                          run_id=run_id(cfg), **_heartbeats(cfg), curve=curve_config(cfg),
-                         share_model=cfg.pipeline.fan_out, notices=False, leader_secret=leader_secret(cfg),
+                         fan_out=cfg.pipeline.fan_out, notices=False, leader_secret=leader_secret(cfg),
                          broker_wait_s=cfg.pipeline.broker_wait_s, broker_pid=cfg.pipeline.broker_pid)
 
 
@@ -123,5 +123,5 @@ def stage_dataset(cfg: Config, rank: int, generation_value: Any, batch_config: B
         rank, generation_value, cfg.pipeline.slot_count, batch_config, endpoints(cfg)["frontend"],
         run_id=run_id(cfg), batch_size=batch_size, **_heartbeats(cfg), medium=cfg.pipeline.medium,
         tcp_host=cfg.pipeline.tcp_host, curve=curve_config(cfg), pin_memory=pin_memory,
-        notices=cfg.pipeline.notices, notice_dir=cfg.pipeline.socket_dir,
+        notices=cfg.pipeline.notices, socket_dir=cfg.pipeline.socket_dir,
         direct_requests=cfg.pipeline.direct_requests)

@@ -335,7 +335,7 @@ def run_limited_broker(endpoints: dict[str, str], limits: dict[str, int],
 
 
 def run_sharing_student(endpoints: dict[str, str], run_id: str, layers: list[int], samples_per_layer: int,
-                        results, start, *, share_model: bool, delay_s: float = 0.01,
+                        results, start, *, fan_out: bool, delay_s: float = 0.01,
                         seconds: float | None = None) -> None:
     """One run of a sweep that may share samples with other runs of the same model
     (fan-out). A shared sample was made for another slot, maybe of another run, so its
@@ -348,7 +348,7 @@ def run_sharing_student(endpoints: dict[str, str], run_id: str, layers: list[int
     setup_logging("WARNING")
     with StudentClient(0, 16, batch_config(), endpoints["frontend"], endpoints["control"],
                        endpoints["control_pub"], run_id=run_id, heartbeat_interval_s=0.2,
-                       share_model=share_model) as client:
+                       fan_out=fan_out) as client:
         client.hello()
         foreign = corrupt = 0
         tags: list[int] = []

@@ -2,7 +2,7 @@
 the students on its machine, past the broker.
 
 A student with a shared-memory medium binds an *inbox* named after its segment in the
-private (0700) socket directory (``endpoints.runtime_dir``, or the ``notice_dir`` both
+private (0700) socket directory (``endpoints.runtime_dir``, or the ``socket_dir`` both
 sides are given); a worker that committed slots of that segment sends it one datagram
 per (segment, generation), a COMPLETE body ``{"generation": g, "slots": [[slot,
 request_id, true], ...]}``, then names the segment in ``DONE.notified``. A worker's

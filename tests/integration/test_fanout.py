@@ -12,14 +12,14 @@ from tests.conftest import MP
 SPAWN_TIMEOUT_S = 120
 
 
-def _start_runs(procs, endpoints, plans: dict[str, dict], *, share_model: bool, workers: int = 1,
+def _start_runs(procs, endpoints, plans: dict[str, dict], *, fan_out: bool, workers: int = 1,
                 **student_kwargs) -> dict[str, dict]:
     """Start ``workers`` workers and one student per run (plans: run id -> kwargs of
     the student); all runs start asking at once. Returns each run's result."""
     started = [procs.start(peers.run_layer_worker, endpoints, name=f"worker{i}") for i in range(workers)]
     results, start = MP.Queue(), MP.Barrier(len(plans))
     students = [procs.start(peers.run_sharing_student, endpoints, run_id, plan["layers"], plan["samples"],
-                            results, start, share_model=share_model, name=run_id, **student_kwargs)
+                            results, start, fan_out=fan_out, name=run_id, **student_kwargs)
                 for run_id, plan in plans.items()]
     got = {r["run_id"]: r for r in procs.collect(results, len(plans), students + started, SPAWN_TIMEOUT_S)}
     for student in students:
@@ -31,18 +31,18 @@ def _start_runs(procs, endpoints, plans: dict[str, dict], *, share_model: bool, 
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("share_model", [True, False])
-def test_one_teacher_sample_feeds_every_sharing_run(procs, endpoints, broker_kwargs, share_model) -> None:
+@pytest.mark.parametrize("fan_out", [True, False])
+def test_one_teacher_sample_feeds_every_sharing_run(procs, endpoints, broker_kwargs, fan_out) -> None:
     """Two runs of one model, both opted in: most samples are computed once for both
     (about half as many distinct samples as delivered); not opted in: none is."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     plans = {"a": {"layers": [0], "samples": 240}, "b": {"layers": [0], "samples": 240}}
-    got = _start_runs(procs, endpoints, plans, share_model=share_model)
+    got = _start_runs(procs, endpoints, plans, fan_out=fan_out)
     broker.stop()
     delivered = sum(len(r["tags"]) for r in got.values())
     distinct = len(set(got["a"]["tags"]) | set(got["b"]["tags"]))
     both = len(set(got["a"]["tags"]) & set(got["b"]["tags"]))
-    if share_model:
+    if fan_out:
         assert distinct <= 0.75 * delivered, f"fan-out computed {distinct} samples for {delivered} delivered"
         assert both >= 0.5 * min(len(r["tags"]) for r in got.values())
     else:
@@ -57,7 +57,7 @@ def test_a_switch_in_one_run_never_discards_a_sharing_runs_samples(procs, endpoi
     # broker's statistics of it are read only once both have.
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2, run_grace_s=120.0).start()
     plans = {"a": {"layers": [0, 1, 0], "samples": 100}, "b": {"layers": [0], "samples": 400}}
-    got = _start_runs(procs, endpoints, plans, share_model=True, workers=2)
+    got = _start_runs(procs, endpoints, plans, fan_out=True, workers=2)
     per_run = broker.stats.per_run
     broker.stop()
     assert got["a"]["generations"] == [1, 2, 3] and got["b"]["generations"] == [1]
@@ -75,7 +75,7 @@ def test_two_runs_with_equal_demand_get_equal_shares(procs, endpoints, broker_kw
     for more get between 35% and 65% each of what it makes in a 3 s window."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     plans = {"a": {"layers": [0], "samples": 0}, "b": {"layers": [0], "samples": 0}}
-    got = _start_runs(procs, endpoints, plans, share_model=False, seconds=3.0, delay_s=0.02)
+    got = _start_runs(procs, endpoints, plans, fan_out=False, seconds=3.0, delay_s=0.02)
     broker.stop()
     counts = {run_id: len(r["tags"]) for run_id, r in got.items()}
     assert min(counts.values()) > 0, counts

@@ -76,7 +76,7 @@ def test_direct_requests_turned_off_go_through_the_broker(procs, endpoints, brok
     requests to share its samples with other runs)."""
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     procs.start(peers.run_worker, endpoints, name="worker", direct_requests=side != "worker")
-    with _client(endpoints, direct_requests=side != "student", share_model=side == "shared run") as client:
+    with _client(endpoints, direct_requests=side != "student", fan_out=side == "shared run") as client:
         generation = client.set_model(f"broker-{side.replace(' ', '-')}")
         peers.consume_verified(client, generation, 200)
         counts = dict(client._pool.counts)

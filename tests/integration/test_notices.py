@@ -67,7 +67,7 @@ def test_notices_turned_off_go_through_the_broker(procs, endpoints, broker_kwarg
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
-                    heartbeat_interval_s=0.2, notify_students=side != "worker").start()
+                    heartbeat_interval_s=0.2, notices=side != "worker").start()
     try:
         with _client(endpoints, notices=side != "student") as client:
             generation = client.set_model(f"relay-{side}")
@@ -80,7 +80,7 @@ def test_notices_turned_off_go_through_the_broker(procs, endpoints, broker_kwarg
 
 
 @pytest.fixture
-def notice_dirs():
+def socket_dirs():
     """Two short private directories (a Unix socket path has at most 107 bytes)."""
     dirs = [Path(tempfile.mkdtemp(prefix="dn-")) for _ in range(2)]
     yield dirs
@@ -89,18 +89,18 @@ def notice_dirs():
 
 
 @pytest.mark.parametrize("worker_looks", ["same", "elsewhere"])
-def test_inboxes_live_in_the_notice_dir_both_sides_are_given(endpoints, broker_kwargs, notice_dirs,
+def test_inboxes_live_in_the_socket_dir_both_sides_are_given(endpoints, broker_kwargs, socket_dirs,
                                                             worker_looks: str) -> None:
-    """``notice_dir`` (the app passes ``pipeline.socket_dir``) moves the inbox; a worker
+    """``socket_dir`` (the app's ``pipeline.socket_dir``) moves the inbox; a worker
     told the same directory notifies, one that looks elsewhere leaves it to the broker."""
-    student_dir, other_dir = notice_dirs
+    student_dir, other_dir = socket_dirs
     broker = Broker(**broker_kwargs, heartbeat_interval_s=0.2).start()
     worker = Worker(batch_fn=peers.fill_targets, batch_config=peers.batch_config(), max_batch=4,
                     backend_endpoint=endpoints["backend"], control_pub_endpoint=endpoints["control_pub"],
                     heartbeat_interval_s=0.2,
-                    notice_dir=student_dir if worker_looks == "same" else other_dir).start()
+                    socket_dir=student_dir if worker_looks == "same" else other_dir).start()
     try:
-        with _client(endpoints, notice_dir=str(student_dir)) as client:
+        with _client(endpoints, socket_dir=str(student_dir)) as client:
             inbox = client._pool._inbox.path
             assert inbox.parent == student_dir and inbox.is_socket()
             assert not notice_path(client._pool.medium.buf_name).exists()  # not in the default directory

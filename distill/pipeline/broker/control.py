@@ -62,7 +62,7 @@ class Control:
         state.runs.set_model(run, body["model_id"], model_cfg, limits.cfg_cost(state.config, model_cfg))
         self._bind_leader(run, leader_key, epoch, body["peer_id"], claim)
         run.generation = generation
-        run.share_model = bool(body.get("share_model"))
+        run.fan_out = bool(body.get("share_model"))  # the wire keeps its name: peers of other versions send it
         log.info("run %s: model %s, generation %d", run.run_id, run.model_id, run.generation)
         state.send.publish(Command.MODEL, {"run_id": run.run_id, "generation": run.generation,
                                            "model_id": run.model_id, "model_cfg": run.model_cfg},

@@ -77,7 +77,7 @@ class Dispatcher:
         runs it shares its model with. False when the slots wait for a partner run (see
         ``_waits``)."""
         count = min(worker.credit, worker.max_batch, part)
-        if not run.share_model:
+        if not run.fan_out:
             self._send_work(worker, run, count)
             return True
         if self._waits(worker, run):
@@ -97,13 +97,13 @@ class Dispatcher:
         if not worker.in_flight:
             return False
         waiting_for = {other.run_id for other in self.state.runs.runs.values()
-                       if other is not run and other.share_model and not other.queued and run.same_model(other)}
+                       if other is not run and other.fan_out and not other.queued and run.same_model(other)}
         return bool(waiting_for & {student.run_id for student in self.state.students.peers.values()})
 
     def _partners(self, run: RunState) -> list[RunState]:
         """Other opted-in runs with queued slots and exactly ``run``'s model."""
         return [other for other in self.state.runs.runs.values()
-                if other is not run and other.share_model and other.queued and run.same_model(other)]
+                if other is not run and other.fan_out and other.queued and run.same_model(other)]
 
     def _send_work(self, worker: WorkerPeer, run: RunState, count: int) -> None:
         """A plain WORK (one run). A run opted in to fan-out is marked ``shared``, so its
@@ -119,7 +119,7 @@ class Dispatcher:
             "items": [[r.medium, slot_idx, r.stride, request_id]
                       for r in requests for slot_idx, request_id in r.slots],
         }
-        if run.share_model:
+        if run.fan_out:
             body["shared"] = True
         frames = self._encode(run, requests, body)
         self._commit(worker, work, num_slots, num_slots)

@@ -59,7 +59,7 @@ class RunState:
     leader_id: str | None = None
     leader_key: bytes | None = None
     """Hash of the run's leader secret (``control.py``); None: no leader has claimed it here."""
-    share_model: bool = False
+    fan_out: bool = False
     """Fan-out opt-in: its slots may get samples computed for other runs of the same model."""
     last_live: float = field(default_factory=time.monotonic)
     """When a live peer of the run was last seen (monotonic; until one is, when it was made)."""

@@ -91,10 +91,10 @@ class StudentClientConfig:
     """What proves this client leads its run (at least 16 characters). None: a new random
     one; a restarted leader process passes its predecessor's (``client.leader_secret``)."""
     curve: CurveConfig | None = None
-    share_model: bool = False
+    fan_out: bool = False
     """Fan-out opt-in: this run's slots may get samples made for other runs of the same model."""
     notices: bool = True
-    notice_dir: str | os.PathLike | None = None
+    socket_dir: str | os.PathLike | None = None
     direct_requests: bool = True
     pending_deadline_s: float | None = None
     """See :class:`~distill.pipeline.student.pool.PoolConfig`."""
@@ -131,7 +131,7 @@ class StudentClient:
         self.student_rank = cfg.student_rank
         # Fan-out opt-in: this run's slots may get samples the teacher made for other
         # runs of the same model (one teacher pass for a whole sweep; see broker.py).
-        self.share_model = cfg.share_model
+        self.fan_out = cfg.fan_out
         # The newest holder of the run's secret leads: a new process takes over at the next
         # epoch (TAKE_OVER_EPOCH until the broker says which), one left over from before is refused.
         self.leader_epoch = protocol.TAKE_OVER_EPOCH if cfg.leader_epoch is None else cfg.leader_epoch
@@ -154,7 +154,7 @@ class StudentClient:
                               heartbeat_interval_s=cfg.heartbeat_interval_s,
                               heartbeat_liveness=cfg.heartbeat_liveness, medium=cfg.medium,
                               tcp_host=cfg.tcp_host, curve=self._keys, notices=cfg.notices,
-                              notice_dir=cfg.notice_dir, direct_requests=cfg.direct_requests,
+                              socket_dir=cfg.socket_dir, direct_requests=cfg.direct_requests,
                               pending_deadline_s=cfg.pending_deadline_s, broker_pid=cfg.broker_pid,
                               broker_wait_s=cfg.broker_wait_s, broker_silence_s=cfg.broker_silence_s))
         self._pool.on_rejoin = self._rejoin
@@ -385,7 +385,7 @@ class StudentClient:
     def _leader(self) -> dict[str, Any]:
         """What the leader declares with every SET_MODEL besides the model."""
         return {"leader_epoch": self.leader_epoch, "peer_id": self._pool.peer_id,
-                "share_model": self.share_model, "leader_secret": self.leader_secret}
+                "share_model": self.fan_out, "leader_secret": self.leader_secret}
 
     def _note_leader(self, reply: protocol.Message) -> None:
         """Take the generation and the epoch the broker answered a SET_MODEL with."""

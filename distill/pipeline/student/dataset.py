@@ -78,9 +78,9 @@ class DatasetConfig:
     pin_memory: bool = False
     notices: bool = True
     """Let workers on this machine announce filled slots directly (``notices.py``)."""
-    notice_dir: str | os.PathLike | None = None
+    socket_dir: str | os.PathLike | None = None
     """Where the inbox for those notices goes (None: the default socket directory); the
-    workers must be given the same (``Worker(notice_dir=...)``)."""
+    workers must be given the same (``Worker(socket_dir=...)``)."""
     direct_requests: bool = True
     """Ask a slot's last local worker to fill it again, past the broker (needs ``notices``)."""
     pending_deadline_s: float | None = None
@@ -154,7 +154,7 @@ class DistillIterableDataset(IterableDataset):
             payload_bytes=cfg.batch_config.nbytes(), role=f"dataset{cfg.student_rank}",
             heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_liveness=cfg.heartbeat_liveness,
             medium=cfg.medium, tcp_host=cfg.tcp_host, curve=cfg.curve, notices=cfg.notices,
-            notice_dir=cfg.notice_dir, direct_requests=cfg.direct_requests,
+            socket_dir=cfg.socket_dir, direct_requests=cfg.direct_requests,
             pending_deadline_s=cfg.pending_deadline_s))
         if get_worker_info() is not None:
             # DataLoader workers leave through multiprocessing's exit path, which skips

@@ -89,7 +89,7 @@ class PoolConfig:
     curve: CurveConfig | ClientKeys | None = None
     notices: bool = True
     """Let workers on this machine announce filled slots directly (``notices.py``)."""
-    notice_dir: str | os.PathLike | None = None
+    socket_dir: str | os.PathLike | None = None
     direct_requests: bool = True
     """Ask a slot's last local worker to fill it again, past the broker (needs ``notices``)."""
     pending_deadline_s: float | None = None
@@ -143,7 +143,7 @@ class SlotPool:
         if cfg.frontend_endpoint is None:
             raise ValueError("SlotPool needs the broker's frontend_endpoint")
         keys = cfg.curve.client_keys() if isinstance(cfg.curve, CurveConfig) else cfg.curve  # before any resource
-        sweep_orphans(inbox_dir=cfg.notice_dir)
+        sweep_orphans(inbox_dir=cfg.socket_dir)
         self.run_id = cfg.run_id
         self.payload_bytes = cfg.payload_bytes
         self.peer_id = new_peer_id(cfg.role)
@@ -169,10 +169,10 @@ class SlotPool:
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.setsockopt(zmq.SNDTIMEO, protocol.SEND_RETRY_MS)  # see _send
         self._sock.connect(cfg.frontend_endpoint)
-        self._inbox = (NoticeInbox.open(self.medium.buf_name, cfg.notice_dir)
+        self._inbox = (NoticeInbox.open(self.medium.buf_name, cfg.socket_dir)
                        if cfg.notices and self.data_socket is None else None)
         """Workers on this machine announce filled slots here, past the broker (``notices.py``);
-        in ``notice_dir`` (default: the default socket directory), where they must look too."""
+        in ``socket_dir`` (default: the default socket directory), where they must look too."""
         self.direct_requests = cfg.direct_requests and self._inbox is not None
         self._checked = 0.0
         """When the checks that run once per heartbeat interval last ran (``_beat_checks``)."""
@@ -458,7 +458,7 @@ class SlotPool:
         self._take_notices()  # what reached the old socket
         self._poller.unregister(self._inbox.fileno())
         self._inbox.close()
-        self._inbox = NoticeInbox.open(self.medium.buf_name, self.config.notice_dir)
+        self._inbox = NoticeInbox.open(self.medium.buf_name, self.config.socket_dir)
         if self._inbox is None:  # cannot: notices go through the broker from now on
             log.warning("%s: inbox vanished and could not be bound again; no direct notices", self.peer_id)
             self.direct_requests = False

@@ -67,9 +67,9 @@ class WorkerConfig:
     """Write into a network medium's segment directly when it is on this machine."""
     curve: CurveConfig | None = None
     """CurveZMQ keys (None: authentication off)."""
-    notify_students: bool = True
+    notices: bool = True
     """Tell students on this machine about filled slots directly (``notices.py``)."""
-    notice_dir: str | os.PathLike | None = None
+    socket_dir: str | os.PathLike | None = None
     """Where those students' inboxes are (None: the default socket directory)."""
     direct_requests: bool = True
     """Take DIRECT requests from students we notify, past the broker (``notices.py``)."""

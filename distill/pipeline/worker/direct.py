@@ -214,7 +214,7 @@ class DirectLane:
 
 
 class NoLane:
-    """A worker without notices (``notify_students=False``): no lane, no DIRECT, no
+    """A worker without notices (``notices=False``): no lane, no DIRECT, no
     notice; the broker completes every slot. It stands in for :class:`DirectLane`, so that
     the worker's loop and its batches have no branches for the case."""
 

@@ -174,10 +174,10 @@ class Worker:
     def _open_lane(self) -> None:
         """With notices, the outbox and (with direct requests) the lane's socket; else none."""
         cfg = self.config
-        if not cfg.notify_students:
+        if not cfg.notices:
             return
-        self._outbox = NoticeOutbox(cfg.notice_dir)
-        lane = RequestLane.open(self.peer_id, cfg.notice_dir) if cfg.direct_requests else None
+        self._outbox = NoticeOutbox(cfg.socket_dir)
+        lane = RequestLane.open(self.peer_id, cfg.socket_dir) if cfg.direct_requests else None
         self._batches.lane = DirectLane(self.peer_id, self._outbox, lane, self._token, self.max_batch)
 
     @property
