@@ -137,11 +137,13 @@ def _interpolate(timed: dict[int, float], layer: int) -> float:
 
 def smollm2() -> Teacher | None:
     """SmolLM2-135M as ``teacher=smollm2`` loads it, or None (with a line) when not installed."""
+    from distill.model.location import teacher_source
     from distill.model.sources import load_teacher
     from tests.unit.test_config import _compose
 
     try:
-        return load_teacher(_compose(["teacher=smollm2"]))
+        cfg = _compose(["teacher=smollm2"])
+        return load_teacher(teacher_source(cfg), cfg.teacher.dtype)
     except (ImportError, FileNotFoundError, ValueError) as exc:
         print(f"SmolLM2 skipped: {exc}")
         return None

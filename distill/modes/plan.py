@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from distill.config import Config, typed_config
+from distill.model.location import teacher_source
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.stages import stage_layout
@@ -59,8 +60,9 @@ class Timings:
 def run_plan(cfg: DictConfig) -> None:
     """Time the pieces, project the stages, print the plan."""
     config = typed_config(cfg)
-    teacher = load_teacher(config)
-    chunks = load_chunks(config, load_tokenizer(config)).train_NT
+    source = teacher_source(config)
+    teacher = load_teacher(source, config.teacher.dtype)
+    chunks = load_chunks(config.data, load_tokenizer(source)).train_NT
     timings = measure(config, teacher, chunks)
     rows = project(config, teacher.num_layers, timings)
     print(render(rows, timings, config), flush=True)

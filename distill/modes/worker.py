@@ -13,6 +13,7 @@ import os
 from omegaconf import DictConfig
 
 from distill.config import Config, typed_config
+from distill.model.location import teacher_source
 from distill.model.sources import load_chunks, load_tokenizer, load_worker_teacher
 from distill.modes.process import configure_logging, exit_on_sigterm, run_dir
 from distill.pipeline import Worker
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 def build_worker(cfg: Config, profiler: StepProfiler | None = None) -> Worker:
     """The teacher, its data and the Worker that serves them, as configured (its batches
     the steps of ``profiler``, when given)."""
-    teacher = load_worker_teacher(cfg)
-    chunks = load_chunks(cfg, load_tokenizer(cfg))
+    source = teacher_source(cfg)
+    teacher = load_worker_teacher(source, cfg.teacher.dtype, cfg.device)
+    chunks = load_chunks(cfg.data, load_tokenizer(source))
     _, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
     targets = TeacherTargets(teacher, chunks.train_NT, sample_seed(cfg))
     sleep_s = cfg.teacher.sleep_per_batch_s

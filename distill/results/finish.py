@@ -22,7 +22,6 @@ from distill.model.assist import assist_figures
 from distill.model.continuations import continuations
 from distill.model.decode import measure_decode
 from distill.model.evaluate import EvalResult, evaluate, metric_kind, score_student
-from distill.model.location import teacher_source
 from distill.model.sources import load_tokenizer
 from distill.model.teacher import Teacher
 from distill.replacements import describe
@@ -56,13 +55,13 @@ def finish_run(ctx: StudentContext) -> None:
         base, final = teacher, replacements
         if e2e_finished(ctx):
             base, final = load_e2e_student(ctx)
-        tokenizer = load_tokenizer(cfg)
-        out = export_student(base, teacher_source(cfg), final, cfgs, str(ctx.out_dir / "student"),
+        tokenizer = load_tokenizer(ctx.teacher_source)
+        out = export_student(base, ctx.teacher_source, final, cfgs, str(ctx.out_dir / "student"),
                              tokenizer=tokenizer, dtype=teacher.dtype)
         log.info("student exported to %s  (load it: from distill import load_student; "
                  "model = load_student(%r))", out, out)
     rows = {layer: describe(module, teacher, cfg.data.seq_len) for layer, module in replacements.items()}
-    summary = {**chosen_options(cfg), "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
+    summary = {**chosen_options(cfg, ctx.teacher_source), "layers": sorted(replacements), "steps_per_stage": cfg.student.steps_per_stage,
                "schedule": cfg.student.schedule, "layers_per_stage": cfg.student.layers_per_stage,
                "world_size": ctx.world_size,
                "inputs": cfg.student.inputs, "e2e_steps": cfg.student.e2e.steps}
@@ -119,11 +118,10 @@ SUPERVISOR_KEYS = ("hydra.", "mode=", "run_id=", "pipeline.socket_dir=", "pipeli
 """Overrides ``mode=local`` adds to its children's command lines: not what the user typed."""
 
 
-def chosen_options(cfg: Config) -> dict[str, str]:
+def chosen_options(cfg: Config, source: str) -> dict[str, str]:
     """What the user typed: the command's overrides and the option picked in each group
     (``teacher=tiny_llama``, ``replacement=linear_attention``), not the class paths and cache
     directories they became; the teacher's source (a directory or hub name) as its own key."""
-    source = teacher_source(cfg)
     options = {"teacher": source, "replacement": replacement_option(cfg)}
     command = "python -m distill"
     if HydraConfig.initialized():

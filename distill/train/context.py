@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distill.config import Config, Parallel
+from distill.model.location import teacher_source
 from distill.model.sources import load_chunks, load_teacher, load_tokenizer
 from distill.model.teacher import Teacher
 from distill.pipeline import BatchConfig, StudentClient
@@ -60,6 +61,9 @@ class StudentContext:
     out_dir: Path
     stages: list[Stage]
     """The layer stages (with an automatic hybrid: its scoring pass until it has chosen)."""
+    teacher_source: str
+    """Where the teacher was loaded from (a directory or hub name; a GGUF teacher's converted
+    directory): what the exported student names as its base."""
     timings: dict[str, float] = field(default_factory=dict)
     tracker: Tracker = field(default_factory=NoTracker)
     """The run's experiment tracker (``tracking``), fed the records of metrics.jsonl; the leader's alone."""
@@ -92,9 +96,10 @@ def setup_context(cfg: Config, out_dir: Path) -> StudentContext:
 
 def _setup_parts(cfg: Config, out_dir: Path, rank: int, world_size: int, device: torch.device,
                  tracker: Tracker) -> StudentContext:
-    teacher = load_teacher(cfg, device)
+    source = teacher_source(cfg)
+    teacher = load_teacher(source, cfg.teacher.dtype, device)
     stages, batch_config = stage_layout(cfg, teacher.num_layers, teacher.hidden_size)
-    chunks = load_chunks(cfg, load_tokenizer(cfg)) if rank == 0 else None
+    chunks = load_chunks(cfg.data, load_tokenizer(source)) if rank == 0 else None
     heldout = chunks.heldout_NT if chunks is not None else torch.zeros(0, cfg.data.seq_len, dtype=torch.long)
     client = control_client(cfg, rank, batch_config)
     client.hello()
@@ -105,7 +110,7 @@ def _setup_parts(cfg: Config, out_dir: Path, rank: int, world_size: int, device:
         log.info("run dir %s; checkpoints in %s; %d stage(s) of %s", out_dir, directory, len(stages),
                  [list(s.layers) for s in stages])
     return StudentContext(cfg, rank, world_size, device, teacher, client, batch_config, heldout,
-                          directory, out_dir, stages, tracker=tracker)
+                          directory, out_dir, stages, source, tracker=tracker)
 
 
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:

@@ -24,7 +24,7 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-from distill.model.sources import load_chunks
+from distill.model.sources import load_chunks, load_tokenizer
 from distill.model.tiny_cache import tiny_teacher_dir
 from tests.integration.test_app import shared_tiny_cache
 from tests.tiny_teachers import family_model
@@ -82,7 +82,8 @@ def test_a_copy_run_reports_and_exports_the_teacher_itself(tmp_path: Path, name:
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads((run_dir / "result.json").read_text())
     teacher = transformers.AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    heldout_NT = load_chunks(OmegaConf.load(run_dir / ".hydra" / "config.yaml")).heldout_NT  # the run's own split
+    run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    heldout_NT = load_chunks(run_cfg.data, load_tokenizer(str(teacher_dir))).heldout_NT  # the run's own split
     with torch.no_grad():
         logits_NTV = teacher(heldout_NT).logits
     nll = torch.nn.functional.cross_entropy(logits_NTV[:, :-1].flatten(0, 1), heldout_NT[:, 1:].flatten())

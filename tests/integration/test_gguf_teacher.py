@@ -50,10 +50,11 @@ def test_a_copy_student_of_a_gguf_teacher_loads_without_distill(tmp_path: Path) 
     path = write_gguf(model, tmp_path / "tiny-llama.F32.gguf")
     cfg = _compose(["teacher=hf", f"teacher.name_or_path={path}", "teacher.dtype=float32",
                     f"teacher.cache_dir={tmp_path / 'cache'}"])
-    teacher = load_teacher(cfg)
+    source = teacher_source(cfg)
+    teacher = load_teacher(source, cfg.teacher.dtype)
     copies = {idx: TeacherCopy(teacher, idx) for idx in range(teacher.num_layers)}
-    out = export_student(teacher, teacher_source(cfg), copies, dict.fromkeys(copies, CFG), str(tmp_path / "student"),
-                         tokenizer=load_tokenizer(cfg))
+    out = export_student(teacher, source, copies, dict.fromkeys(copies, CFG), str(tmp_path / "student"),
+                         tokenizer=load_tokenizer(source))
     assert "quantization_config" not in json.loads((Path(out) / "config.json").read_text())
     ids_BT = torch.randint(0, len(TOKENS), (B, T), generator=torch.Generator().manual_seed(0))
     torch.save(ids_BT, tmp_path / "ids.pt")
@@ -76,7 +77,8 @@ def test_teacher_smollm2_is_the_real_smollm2(tmp_path: Path) -> None:
     cfg = _compose(["teacher=smollm2", f"teacher.cache_dir={tmp_path}"])
     check_config(cfg)
     assert model_shape(teacher_model(cfg)) == (30, 576)
-    teacher, tokenizer = load_teacher(cfg), load_tokenizer(cfg)
+    source = teacher_source(cfg)
+    teacher, tokenizer = load_teacher(source, cfg.teacher.dtype), load_tokenizer(source)
     assert (teacher.num_layers, teacher.hidden_size) == (30, 576)
     ids_BT = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():

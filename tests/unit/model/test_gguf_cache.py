@@ -97,7 +97,7 @@ def test_the_checks_accept_a_gguf_file_or_its_directory_and_name(gguf_file, conv
         check_config(cfg)
         assert teacher_model(cfg) == str(path) and model_shape(str(path)) == (2, 32)
         assert teacher_source(cfg) == converted  # the processes load the converted directory
-        assert load_tokenizer(cfg).convert_ids_to_tokens(len(TOKENS) - 1) == "<|endoftext|>"
+        assert load_tokenizer(converted).convert_ids_to_tokens(len(TOKENS) - 1) == "<|endoftext|>"
 
 
 def test_a_missing_gguf_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

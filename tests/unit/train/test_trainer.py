@@ -71,7 +71,7 @@ def _context(cfg: Config, teacher, out_dir: Path) -> StudentContext:
     heldout_NT = torch.randint(0, VOCAB, (8, SEQ_LEN), generator=torch.Generator().manual_seed(1))
     out_dir.mkdir(exist_ok=True)
     return StudentContext(cfg, 0, 1, torch.device("cpu"), teacher, client, batch_config, heldout_NT,
-                          Path(cfg.checkpoint_dir), out_dir, stages)
+                          Path(cfg.checkpoint_dir), out_dir, stages, teacher.name_or_path)
 
 
 def _events(out_dir: Path, event: str) -> list[dict]:
