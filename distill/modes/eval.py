@@ -33,7 +33,9 @@ def run_eval(cfg: DictConfig) -> None:
     configure_logging(cfg)
     opts = cfg.lm_eval
     teacher_name = opts.teacher or _manifest_teacher(opts.student)
-    tokenizer = AutoTokenizer.from_pretrained(opts.student)
+    # The student's own export: its config.json names remote code (auto_map), which AutoTokenizer
+    # reads too; without the flag transformers asks on stdin, waits 15 s and warns of a wrong type.
+    tokenizer = AutoTokenizer.from_pretrained(opts.student, trust_remote_code=True)
     scores = {}
     for name, load in (("teacher", lambda: Teacher.from_pretrained(teacher_name, device=opts.device).model),
                        ("student", lambda: load_student(opts.student, device=opts.device))):

@@ -108,6 +108,7 @@ def test_mode_eval_scores_student_and_teacher_on_a_local_task(tmp_path: Path) ->
     run = subprocess.run([sys.executable, "-m", "distill", "mode=eval", *overrides, f"hydra.run.dir={tmp_path / 'out'}"],
                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
+    assert "custom code" not in run.stdout + run.stderr  # no question on stdin about the student's own code
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert result["teacher"] == str(teacher_dir)  # from the student's distill_student.json
     (row,) = result["rows"]
