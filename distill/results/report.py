@@ -436,17 +436,22 @@ def _quality_section(metrics: list[dict], config_summary: dict, fmt: Any) -> str
             for m in early) + "."]
     before = config_summary.get("student_after_layer_stages")
     e2e_val = _events(metrics, "e2e_val")
+    ends = [m.get("best_step") for m in _events(metrics, "stage_end") if m.get("layers") == []]
+    best = ends[-1] if ends else None
     if before is not None:
-        lines += [f"Student after the layer stages: {fmt(before)}; the exported student above has also "
-                  "had the end-to-end stage."]
+        lines += [f"Student after the layer stages: {fmt(before)}; " + (
+            "the end-to-end stage improved on it at no validation, so the exported student above is this one."
+            if best == 0 else "the exported student above has also had the end-to-end stage.")]
     if e2e_val:
         key = "ppl" if "ppl" in e2e_val[0] else "cosine"
         name = _METRIC_NAMES["lm" if key == "ppl" else "encoder"]
-        best = [m.get("best_step") for m in _events(metrics, "stage_end") if m.get("layers") == []]
         lines += ["", f"| end-to-end step | held-out {name} |", "| --- | --- |",
                   *(f"| {m['step']} | {fmt(m.get(key))} |" for m in e2e_val)]
-        if best and best[-1] is not None:
-            lines += ["", f"The end-to-end stage kept the weights of step {best[-1]} (its best validation)."]
+        if best is not None:
+            lines += ["", f"The end-to-end stage kept the weights of step {best} (its best validation)."]
+        if best == 0 and len(e2e_val) > 1:
+            lines[-1] += (" Every step after it made the student worse: a lower `student.e2e.lr`, or "
+                          "`student.e2e.trainable=lora`, may let it help; or set `student.e2e.steps=0`.")
     return "\n".join(["## Stage ends and end-to-end stage", "", *lines]) if lines else ""
 
 

@@ -146,6 +146,19 @@ def test_write_report_after_an_e2e_stage_shows_both_per_layer_scores(tmp_path: P
     assert "| replaced layers skipped (identity baseline) | 0.4000 |" in text
     assert "| end-to-end step | held-out cosine similarity of final hidden states |" in text
     assert "| 10 | 0.9700 |" in text and "kept the weights of step 10" in text
+    assert "has also had the end-to-end stage" not in text  # no layer-stage score in this summary
+
+
+def test_an_end_to_end_stage_that_only_made_it_worse_is_named_so(tmp_path: Path) -> None:
+    """The stage keeps its step-0 weights: the report must not say the exported student had it,
+    and says what to change (SmolLM2 at the default learning rate went from 32.2 to 47.0)."""
+    metrics = [{"event": "e2e_val", "stage": 1, "step": 0, "ppl": 32.2},
+               {"event": "e2e_val", "stage": 1, "step": 120, "ppl": 47.0},
+               {"event": "stage_end", "stage": 1, "layers": [], "steps": 120, "tokens": 640, "best_step": 0}]
+    text = Path(write_report(str(tmp_path), metrics, {}, {}, {"student_after_layer_stages": 32.2})).read_text()
+    assert "improved on it at no validation, so the exported student above is this one" in text
+    assert "has also had the end-to-end stage" not in text
+    assert "kept the weights of step 0" in text and "`student.e2e.lr`" in text
 
 
 def test_write_report_encoder_without_timings(tmp_path: Path) -> None:
