@@ -110,7 +110,7 @@ def run_local(cfg: DictConfig) -> None:
     run_id = cfg.run_id or new_run_id()
     config = typed_config(cfg)
     source = teacher_source(config)  # builds the tiny teacher (or converts a GGUF one) once, before any child needs it
-    claim = hold_checkpoint_dir(checkpoint_dir(config))  # a second run with the same settings stops here
+    claim = hold_checkpoint_dir(checkpoint_dir(config, source))  # a second run with the same settings stops here
     record_config(cfg)  # once the run is ours (distill.__main__.CLAIMING_MODES)
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)

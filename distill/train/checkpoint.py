@@ -50,7 +50,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from distill.config import CONF_DIR, Config, plain
 from distill.errors import ConfigError
-from distill.model.location import teacher_source
 
 PROGRESS_FILE = "progress.json"
 LOCK_FILE = "run.lock"
@@ -96,13 +95,13 @@ def replacement_option(cfg: Config) -> str:
     return target.rsplit(".", 1)[-1]
 
 
-def checkpoint_dir(cfg: Config) -> Path:
+def checkpoint_dir(cfg: Config, source: str) -> Path:
     """Where this run's checkpoints live: ``checkpoint_dir``, else the same directory for a
-    rerun of the same command: ``<replacement option>-<hash>``, or the ``<class>-<hash>`` name
+    rerun of the same command (``source``: the teacher as resolved once for the process):
+    ``<replacement option>-<hash>``, or the ``<class>-<hash>`` name
     of the runs before the option name, when only that one exists (so they resume)."""
     if cfg.checkpoint_dir:
         return Path(cfg.checkpoint_dir)
-    source = teacher_source(cfg)
     root = Path("outputs") / "checkpoints"
     named = root / config_fingerprint(cfg, source)
     old = root / f"{str(cfg.replacement.get('_target_', 'replacement')).rsplit('.', 1)[-1]}-{_settings_hash(cfg, source)}"

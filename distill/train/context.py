@@ -105,7 +105,7 @@ def _setup_parts(cfg: Config, out_dir: Path, rank: int, world_size: int, device:
     client.hello()
     if rank != 0:
         client.start_sub_listener()
-    directory = checkpoint_dir(cfg)
+    directory = checkpoint_dir(cfg, source)
     if rank == 0:
         log.info("run dir %s; checkpoints in %s; %d stage(s) of %s", out_dir, directory, len(stages),
                  [list(s.layers) for s in stages])

@@ -116,9 +116,9 @@ def test_checkpoint_fingerprint_ignores_how_batches_are_fetched_and_logged() -> 
 
 
 def test_checkpoint_dir_is_the_setting_or_the_fingerprint(tmp_path: Path) -> None:
-    assert ckpt.checkpoint_dir(_config([f"checkpoint_dir={tmp_path}"])) == tmp_path
+    assert ckpt.checkpoint_dir(_config([f"checkpoint_dir={tmp_path}"]), "tiny") == tmp_path
     cfg = _config(["teacher=hf", f"teacher.name_or_path={tmp_path}"])
-    assert ckpt.checkpoint_dir(cfg) == Path("outputs/checkpoints") / ckpt.config_fingerprint(cfg, str(tmp_path))
+    assert ckpt.checkpoint_dir(cfg, str(tmp_path)) == Path("outputs/checkpoints") / ckpt.config_fingerprint(cfg, str(tmp_path))
 
 
 def test_checkpoint_folders_are_named_by_the_replacement_option_and_old_folders_resume(
@@ -127,11 +127,11 @@ def test_checkpoint_folders_are_named_by_the_replacement_option_and_old_folders_
     checkpointed under the class name before (``ResidualMLP-<same hash>``) is found and resumed."""
     monkeypatch.chdir(tmp_path)
     cfg = _config(["replacement=mlp", "teacher=hf", f"teacher.name_or_path={tmp_path}"])
-    named = ckpt.checkpoint_dir(cfg)
+    named = ckpt.checkpoint_dir(cfg, str(tmp_path))
     digest = named.name.split("-", 1)[1]
     assert named == Path("outputs/checkpoints") / f"mlp-{digest}"
     old = Path("outputs/checkpoints") / f"ResidualMLP-{digest}"
     old.mkdir(parents=True)
-    assert ckpt.checkpoint_dir(cfg) == old
+    assert ckpt.checkpoint_dir(cfg, str(tmp_path)) == old
     named.mkdir()
-    assert ckpt.checkpoint_dir(cfg) == named  # once the new name exists, it wins
+    assert ckpt.checkpoint_dir(cfg, str(tmp_path)) == named  # once the new name exists, it wins
