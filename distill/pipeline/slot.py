@@ -261,6 +261,10 @@ class HeaderTable:
     def __len__(self) -> int:
         return self._count
 
+    def close(self) -> None:
+        """Drop the views of the segment (so that it can be unmapped); the table is unusable after."""
+        self.records = self.words = self._buf = None
+
     # ---------------------------------------------------------------- the student's side
     def check(self, slot_idxs: Sequence[int], generation: int, request_ids: Sequence[int],
               payload_len: int) -> list[bool]:

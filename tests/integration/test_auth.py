@@ -57,6 +57,11 @@ def test_allowed_worker_and_student_complete_a_run(procs, tcp_endpoints, keys) -
     assert result["samples"] >= 200
     assert (result["corrupt"], result["duplicates"]) == (0, 0)
     assert result["sources"] == 2  # both DataLoader workers authenticated and were served
+    # Fills served by DIRECT reach the broker's count with the worker's next heartbeats
+    # (every 0.2 s), not with the samples: wait a few of them.
+    deadline = time.monotonic() + 5
+    while broker.stats.completed < 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert broker.stats.completed >= 200 and broker.stats.bad_messages == 0
     broker.stop()
 

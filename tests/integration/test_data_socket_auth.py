@@ -130,7 +130,7 @@ def test_strangers_on_a_data_socket_make_the_student_hold_nothing(tmp_path: Path
             time.sleep(1.5)  # the student is busy elsewhere: whatever the sockets take, it holds
             grown = rss_bytes(os.getpid()) - before
             assert grown < 64 << 20, f"the student holds {grown / 2**20:.0f} MiB of strangers' messages"
-            assert pool.medium.receive(pool.delivery.expected_request) == []
+            assert pool.medium.receive(pool.slots.expected_request) == []
             refusals = [r for r in caplog.records if r.name == "distill.pipeline.mediums.tcp"]
             assert len(refusals) <= 20, f"{len(refusals)} log lines for refused data"
         # A writer with the medium's key is let in and delivers.
@@ -142,7 +142,7 @@ def test_strangers_on_a_data_socket_make_the_student_hold_nothing(tmp_path: Path
         deadline = time.monotonic() + 10
         written = []
         while not written and time.monotonic() < deadline:
-            written = pool.medium.receive(pool.delivery.expected_request)
+            written = pool.medium.receive(pool.slots.expected_request)
             time.sleep(0.02)
         sender.close()
         assert written == [0]

@@ -13,6 +13,9 @@ Cut by responsibility:
     delivery.py   completions checked, accepted or refused with the reason
     custody.py    what waits on other processes: quarantine, declines, restarts, deadlines,
                   the writers' fair share
+                  (delivery and custody move the slot table, never the pool: the pool
+                  carries out what their moves queue, headers to ask and requests to send)
+    inbox.py      notices from local workers, DIRECT requests to their lanes (or NoInbox)
     loans.py      samples lent as views of their slots
     client.py     StudentClient: one pool plus the control path (the leader's model switches)
     dataset.py    DistillIterableDataset: a pool per iterating process

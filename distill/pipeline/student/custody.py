@@ -32,11 +32,11 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from distill.pipeline.liveness import process_alive, writer_alive
 from distill.pipeline.slot import check_slot, read_claim
-from distill.pipeline.student.delivery import BACKOFF_MAX_S, Delivery, PoolParts
+from distill.pipeline.student.delivery import BACKOFF_MAX_S, Delivery, SlotAccess
 from distill.pipeline.student.slots import PENDING, QUARANTINED, Route, SlotRecord
 from distill.pipeline.throttle import LogThrottle
 
@@ -93,35 +93,20 @@ class LaneClock:
         return max(self.busy_since, self.last_answer)
 
 
-class DeadlineSetting(Protocol):
-    """What a :class:`Custody` reads of its pool's ``PoolConfig``."""
-
-    @property
-    def pending_deadline_s(self) -> float | None: ...
-
-
-class CustodyPool(PoolParts, Protocol):
-    """What a :class:`Custody` uses of its pool beyond :class:`PoolParts`."""
-
-    @property
-    def config(self) -> DeadlineSetting: ...
-    @property
-    def heart(self) -> Heartbeater: ...
-    @property
-    def delivery(self) -> Delivery: ...
-
-    def note_generation(self, generation: int) -> None: ...
-
-    def resend(self, record: SlotRecord) -> None: ...
-
-    def reissue_now(self) -> None: ...
-
-
 class Custody:
-    """The waiting side of one pool (see module docstring)."""
+    """The waiting side of one pool (see module docstring).
 
-    def __init__(self, pool: CustodyPool) -> None:
-        self.pool = pool
+    It moves the pool's slot table only; ``delivery`` (which accepts and refuses fills)
+    is where it learns how long fills take and who writes them, and ``heart`` (the
+    pool's heartbeats) how often the broker is heard and how many workers it has."""
+
+    def __init__(self, slots: SlotAccess, delivery: Delivery, heart: Heartbeater, *,
+                 pending_deadline_s: float | None = None) -> None:
+        self.slots = slots
+        self.delivery = delivery
+        self.heart = heart
+        self.pending_deadline_s = pending_deadline_s
+        """``PoolConfig.pending_deadline_s`` (None: automatic, ``deadline_s``)."""
         self.share = 0
         """The fair share last written into the segment header (``max_claims``)."""
         self._failure_logged = 0.0
@@ -130,123 +115,117 @@ class Custody:
         """process token of a worker asked by DIRECT -> its lane's clock."""
 
     # ------------------------------------------------------------------ answers
-    def on_discarded(self, generation: int, rows: list[list[int]]) -> None:
+    def on_discarded(self, rows: list[list[int]]) -> None:
         """Fills the broker dropped (stale) or a worker would not make: asked for again,
-        unless a live writer claims the slot. The broker's generation is the leader's: noted."""
-        pool = self.pool
-        pool.note_generation(generation)
+        unless a live writer claims the slot (the pool notes the broker's generation)."""
+        slots = self.slots
         for slot, req in rows:
-            record = pool.slots.pending(slot, req)
+            record = slots.table.pending(slot, req)
             if record is not None:
-                pool.counts["discarded"] += 1
-                pool.delivery.wait_or_ask(record, "discarded")
+                slots.counts["discarded"] += 1
+                self.delivery.wait_or_ask(record, "discarded")
 
     def on_refused(self, rows: list[list[int]], reason: str) -> None:
         """The broker is over a limit and did not queue these requests: back off, ask again."""
-        pool = self.pool
-        again = [record for slot, req in rows if (record := pool.slots.pending(slot, req)) is not None]
-        pool.counts["refused"] += len(again)
+        slots = self.slots
+        again = [record for slot, req in rows if (record := slots.table.pending(slot, req)) is not None]
+        slots.counts["refused"] += len(again)
         if time.monotonic() - self._failure_logged > 5:
             self._failure_logged = time.monotonic()
             log.warning("%s: broker refused %d request(s) (%s); asking again after a pause",
-                        pool.peer_id, len(again), reason)
+                        slots.peer_id, len(again), reason)
         time.sleep(BACKOFF_MAX_S)
-        pool.slots.to_send.extend(record.idx for record in again)
+        slots.table.send_again(again)
 
     def on_declined(self, rows: list[list[int]], reason: str) -> None:
         """A worker will not fill these DIRECT slots: the broker gets them, same request ids."""
-        pool = self.pool
+        slots = self.slots
+        table = slots.table
+        now = time.monotonic()
         for slot, req in rows:
-            if self.settle_late(slot, req):
+            if table.release_late(slot, req, now):
+                slots.counts["released"] += 1
                 continue
-            record = pool.slots.pending(slot, req)
+            record = table.pending(slot, req)
             if record is not None and record.route is Route.DIRECT:
-                pool.counts["declined"] += 1
-                self.lane_answered(record.holder, time.monotonic(), measure=False)
-                if not pool.delivery.left_to_writer(record, pool.medium.slot_view(slot)):
-                    pool.resend(record)
-        log.debug("%s: %d direct request(s) declined: %s", pool.peer_id, len(rows), reason)
+                slots.counts["declined"] += 1
+                self.lane_answered(record.holder, now, measure=False)
+                if not self.delivery.left_to_writer(record, slots.view(slot)):
+                    table.resend(record)
+        log.debug("%s: %d direct request(s) declined: %s", slots.peer_id, len(rows), reason)
 
     def on_quarantine(self, rows: list[list[int]], process: str | None, *, direct: bool = False) -> None:
         """A worker declared dead may still write these slots: those it has claimed stay
         out of use (their samples are asked for in other slots); those it never claimed
         are asked for again at once (it can no longer write them: their fill changes).
         With ``direct``, the same for what we asked of it by DIRECT."""
-        pool = self.pool
+        slots = self.slots
+        table = slots.table
         if direct and process is not None:
             self._quarantine_direct(process)
         if not rows:
             return
         remote = process_alive(process) is None
         taken = 0
+        now = time.monotonic()
         for slot, req in rows:
-            record = pool.slots.pending(slot, req)
+            record = table.pending(slot, req)
             if record is None:
                 continue
-            claim, fill = read_claim(pool.medium.slot_view(slot))
+            claim, fill = read_claim(slots.view(slot))
             if remote or not claim or fill != req or writer_alive(claim) is False:
                 # Not being written: over the network medium a remote writer reaches our
                 # slots only through receive(), which takes data for pending requests only.
-                pool.counts["discarded"] += 1
-                pool.ask_again(record, keep_request=True)
+                slots.counts["discarded"] += 1
+                table.renew(record, now, keep_request=True)
                 continue
-            pool.unsend(record)
-            pool.slots.quarantine(record, claim)
+            table.quarantine(record, claim)
             taken += 1
         if taken:
             self._quarantined(taken, "their worker stopped answering and may still write them")
 
     def _quarantine_direct(self, process: str) -> None:
         """Slots asked of a silent worker by DIRECT: those it claimed are out of use until it
-        answers them late (``settle_late``) or is gone; the rest are asked for again. No
-        more requests go to its lane."""
-        pool = self.pool
+        answers them late (``SlotTable.release_late``) or is gone; the rest are asked for
+        again. No more requests go to its lane."""
+        slots = self.slots
+        table = slots.table
         self._lanes.pop(process, None)  # given up on: its clock starts again with our next request
         taken = 0
-        pool.slots.drop_lanes(process)
-        for record in pool.slots.records:
+        now = time.monotonic()
+        table.drop_lanes(process)
+        for record in table.records:
             if record.state is not PENDING or record.route is not Route.DIRECT or record.holder != process:
                 continue
-            claim, fill = read_claim(pool.medium.slot_view(record.idx))
+            claim, fill = read_claim(slots.view(record.idx))
             if claim and fill == record.request_id and writer_alive(claim) is not False:
-                pool.unsend(record)
-                pool.slots.quarantine(record, process, late_request=record.request_id)
+                table.quarantine(record, process, late_request=record.request_id)
                 taken += 1
             else:
-                pool.ask_again(record, keep_request=True)
+                table.renew(record, now, keep_request=True)
         if taken:
             self._quarantined(taken, "asked of a silent worker directly")
 
     def _quarantined(self, count: int, why: str) -> None:
-        pool = self.pool
-        pool.counts["quarantined"] += count
-        usable = sum(record.state is not QUARANTINED for record in pool.slots.records)
-        log.warning("%s: %d slot(s) quarantined (%s); %d of %d slots left in use", pool.peer_id, count, why,
-                    usable, len(pool.slots))
-        pool.reissue_now()
-
-    def settle_late(self, slot: int, req: int) -> bool:
-        """A late answer (notice or DECLINED) of a worker to a DIRECT whose slot we had
-        quarantined: that worker is done with the slot, which goes back into use (its
-        sample was asked for elsewhere and is not used). True when it was one."""
-        record = self.pool.slots.record(slot)
-        if record is None or record.state is not QUARANTINED or not record.late_request \
-                or record.late_request != req:
-            return False
-        self._unquarantine(record)
-        return True
+        slots = self.slots
+        table = slots.table
+        slots.counts["quarantined"] += count
+        usable = sum(record.state is not QUARANTINED for record in table.records)
+        log.warning("%s: %d slot(s) quarantined (%s); %d of %d slots left in use", slots.peer_id, count, why,
+                    usable, len(table))
+        table.reissue_free(time.monotonic())
 
     def on_release(self, rows: list[list[int]]) -> None:
         """The worker's late DONE: it is done with these slots."""
+        table = self.slots.table
         for slot, _req in rows:
-            record = self.pool.slots.record(slot)
+            record = table.record(slot)
             if record is not None and record.state is QUARANTINED:
-                self._unquarantine(record)
+                self._release(record)
 
-    def _unquarantine(self, record: SlotRecord) -> None:
-        record.late_request = 0
-        self.pool.counts["released"] += 1
-        self.pool.ask([record.idx])
+    def _release(self, record: SlotRecord) -> None:
+        self.slots.counts["released"] += 1
+        self.slots.table.release(record, time.monotonic())
 
     def on_broker_restart(self, pending: list[SlotRecord]) -> None:
         """The broker forgot what it held: slots a live writer claims are left to it; the
@@ -255,7 +234,7 @@ class Custody:
         requests re-issued in the next slots asked."""
         for record in pending:
             if record.state is PENDING and record.route is Route.BROKER:
-                self.pool.delivery.wait_or_ask(record, "lost with the broker", keep_request=True)
+                self.delivery.wait_or_ask(record, "lost with the broker", keep_request=True)
 
     # ------------------------------------------------------------------ lanes
     def lane_sent(self, process: str, now: float) -> None:
@@ -281,7 +260,7 @@ class Custody:
 
     def lane_deadline_s(self, clock: LaneClock) -> tuple[float, str]:
         """How long a lane may leave us waiting, and how that was chosen (for the log)."""
-        floor = LANE_DEADLINE_MIN_BEATS * self.pool.heart.interval_s
+        floor = LANE_DEADLINE_MIN_BEATS * self.heart.interval_s
         if not clock.waits:
             return max(floor, self.deadline_s()), "nothing measured yet: the pending deadline"
         slowest = max(clock.waits)
@@ -301,14 +280,13 @@ class Custody:
             elapsed = now - clock.since()
             if elapsed <= deadline:
                 continue
-            held = sum(r.state is PENDING and r.route is Route.DIRECT and r.holder == process
-                       for r in self.pool.slots.records)
+            held = self.slots.table.direct_held().get(process, 0)
             log.warning("%s: worker process %s has answered none of our direct requests for %.1fs (it holds %d "
                         "slot(s)), past its deadline of %.1fs (%s): asking the broker for them and this worker "
-                        "nothing more", self.pool.peer_id, process.rsplit(":", 2)[-2], elapsed, held, deadline,
+                        "nothing more", self.slots.peer_id, process.rsplit(":", 2)[-2], elapsed, held, deadline,
                         why)
             del self._lanes[process]
-            self.pool.counts["hung_lanes"] += 1
+            self.slots.counts["hung_lanes"] += 1
             self._quarantine_direct(process)
 
     def _forget_idle_lanes(self) -> None:
@@ -319,43 +297,42 @@ class Custody:
     def beat_checks(self, now: float) -> None:
         """Quarantined slots whose writer is gone come back; DIRECT or WRITER slots whose
         holder is gone go to the broker; lanes past their deadline are given up on;
-        overdue PENDING slots are looked at; the fair share is brought up to date."""
-        pool = self.pool
+        overdue PENDING slots are looked at."""
+        table = self.slots.table
         alive: dict[Any, bool] = {}
         overdue: list[SlotRecord] = []
         if self._lanes:
             self._check_lanes(alive, now)
         deadline = self.deadline_s()
         stalled = now - STALL_DEADLINES * deadline
-        progress = pool.delivery.progress_asked
-        for record in pool.slots.records:
+        progress = self.delivery.progress_asked
+        for record in table.records:
             state = record.state
             if state is QUARANTINED:
                 if not _holder_alive(record.holder, alive):
-                    self._unquarantine(record)
+                    self._release(record)
             elif state is PENDING:
                 if record.route is not Route.BROKER and not _holder_alive(record.holder, alive):
-                    pool.resend(record)
+                    table.resend(record)
                 elif (now - record.asked > deadline * 2 ** min(record.overdue, MAX_DEADLINE_DOUBLINGS)
                       and (record.asked < progress or record.asked < stalled)):
                     overdue.append(record)
         if overdue:
             self._look_at_overdue(overdue, now)
-        self.update_share()
 
     def _look_at_overdue(self, records: list[SlotRecord], now: float) -> None:
         """PENDING past their deadline: take a commit whose notice never came, refuse a
         wrong one, leave a live writer's claim alone, ask again for the rest."""
-        pool = self.pool
-        delivery = pool.delivery
-        pool.counts["overdue"] += len(records)
+        slots = self.slots
+        delivery = self.delivery
+        slots.counts["overdue"] += len(records)
         asked, waiting, taken = [], 0, 0
         for record in records:
             record.overdue += 1
-            view = pool.medium.slot_view(record.idx)
-            header = pool.headers.header(record.idx)
+            view = slots.view(record.idx)
+            header = slots.headers.header(record.idx)
             if header is not None and header.request_id == record.request_id:
-                if check_slot(view, header.generation, record.request_id, pool.payload_bytes) is None:
+                if check_slot(view, header.generation, record.request_id, slots.payload_bytes) is None:
                     delivery.accept([record], header.generation)  # committed; its notice was lost
                     taken += 1
                 else:
@@ -366,38 +343,38 @@ class Custody:
                 continue
             asked.append(record)
         if taken:
-            self._overdue_log.warning("%s: %d slot(s) committed but never announced; taken", pool.peer_id, taken)
+            self._overdue_log.warning("%s: %d slot(s) committed but never announced; taken", slots.peer_id, taken)
         if waiting:
             self._overdue_log.warning("%s: %d slot(s) overdue are still being written by a live writer; "
-                                      "waiting on it", pool.peer_id, waiting)
+                                      "waiting on it", slots.peer_id, waiting)
         if asked:
             self._overdue_log.warning("%s: %d slot(s) pending for more than %.1fs with nobody writing them "
-                                      "(a lost or unanswered request); asking again", pool.peer_id, len(asked),
+                                      "(a lost or unanswered request); asking again", slots.peer_id, len(asked),
                                       self.deadline_s())
             for record in asked:
-                pool.ask_again(record, keep_request=True)  # keeps its overdue count: the next wait doubles
+                slots.table.renew(record, now, keep_request=True)  # keeps its overdue count: the next wait doubles
 
     def deadline_s(self) -> float:
         """How long a slot may stay PENDING (``PoolConfig.pending_deadline_s``)."""
-        pool = self.pool
-        if pool.config.pending_deadline_s is not None:
-            return pool.config.pending_deadline_s
-        heart = pool.heart
+        if self.pending_deadline_s is not None:
+            return self.pending_deadline_s
+        heart = self.heart
         floor = DEADLINE_HEARTBEATS * heart.interval_s * heart.liveness
-        return max(floor, DEADLINE_LATENCIES * (pool.delivery.latency_s or 0.0))
+        return max(floor, DEADLINE_LATENCIES * (self.delivery.latency_s or 0.0))
 
-    def update_share(self) -> None:
-        """Write the fair share of one writer into the segment header (``max_claims``)."""
-        pool = self.pool
-        writers = pool.delivery.writers
-        window = WRITER_WINDOW_HEARTBEATS * pool.heart.interval_s
+    def fair_share(self) -> int | None:
+        """The fair share of one writer, when it changed (the pool writes it into the
+        segment header, ``max_claims``); None when it did not."""
+        writers = self.delivery.writers
+        window = WRITER_WINDOW_HEARTBEATS * self.heart.interval_s
         now = time.monotonic()
         for writer in [w for w, seen in writers.items() if now - seen > window]:
             del writers[writer]
-        share = math.ceil(len(pool.slots) / max(2, len(writers)))
-        if share != self.share:
-            self.share = share
-            pool.medium.set_max_claims(share)
+        share = math.ceil(len(self.slots.table) / max(2, len(writers)))
+        if share == self.share:
+            return None
+        self.share = share
+        return share
 
     def direct_share(self) -> int:
         """Slots one worker may hold by DIRECT: its share among the live workers.
@@ -411,10 +388,10 @@ class Custody:
         no longer counted, and the others take its share back. Each worker then fills
         its share at its own pace, so the samples split in proportion to fill rates.
         Without an answer yet (an old broker), the writers seen are counted."""
-        workers = self.pool.heart.workers
+        workers = self.heart.workers
         if not workers:
-            workers = len(self.pool.delivery.writers)
-        return math.ceil(len(self.pool.slots) / max(1, workers))
+            workers = len(self.delivery.writers)
+        return math.ceil(len(self.slots.table) / max(1, workers))
 
 
 def _holder_alive(holder: str | int | None, alive: dict[Any, bool]) -> bool:

@@ -14,20 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from distill.pipeline.liveness import process_alive, writer_alive
-from distill.pipeline.slot import check_slot, read_claim, read_header
-from distill.pipeline.student.slots import AWAITING, PENDING, SlotRecord
+from distill.pipeline.slot import HeaderTable, check_slot, read_claim, read_header
+from distill.pipeline.student.slots import AWAITING, PENDING, SlotRecord, SlotTable
 from distill.pipeline.throttle import LogThrottle
-
-if TYPE_CHECKING:
-    import zmq
-
-    from distill.pipeline.mediums.shm import SharedMemoryManager
-    from distill.pipeline.mediums.tcp import TcpMedium
-    from distill.pipeline.slot import HeaderTable
-    from distill.pipeline.student.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -44,55 +37,31 @@ LATENCY_WEIGHT = 0.1
 """Weight of each new fill time in the moving average of fill times."""
 
 
-class LaneCustody(Protocol):
-    """What a :class:`Delivery` asks of its pool's custody (``custody.py``, which imports us)."""
+@dataclass(slots=True)
+class SlotAccess:
+    """What a pool's helpers (:class:`Delivery`, ``custody.py``'s ``Custody``) work on: the
+    table they move, the headers and bytes they read, the counts they keep. Not the pool:
+    what their moves leave to do (headers to ask, requests to send, the fair share to
+    write) waits in the table's queues, and the pool carries it out."""
 
-    def lane_answered(self, process: str | int | None, now: float, *, measure: bool = True) -> None: ...
-
-    def settle_late(self, slot: int, req: int) -> bool: ...
-
-
-class PoolParts(Protocol):
-    """What both helpers of a :class:`~distill.pipeline.student.pool.SlotPool` (this module's
-    :class:`Delivery` and ``custody.py``'s ``Custody``) use of it: ``pool.py`` imports them,
-    so the pool is named by its parts."""
-
-    @property
-    def peer_id(self) -> str: ...
-    @property
-    def payload_bytes(self) -> int: ...
-    @property
-    def counts(self) -> dict[str, int]: ...
-    @property
-    def slots(self) -> SlotTable: ...
-    @property
-    def headers(self) -> HeaderTable: ...
-    @property
-    def medium(self) -> SharedMemoryManager: ...
-
-    def ask(self, slots: list[int]) -> None: ...
-
-    def ask_again(self, record: SlotRecord, *, keep_request: bool = False) -> None: ...
-
-    def unsend(self, record: SlotRecord) -> None: ...
-
-
-class DeliveryPool(PoolParts, Protocol):
-    """What a :class:`Delivery` uses of its pool beyond :class:`PoolParts`."""
-
-    @property
-    def direct_requests(self) -> bool: ...
-    @property
-    def data_socket(self) -> zmq.Socket | None: ...
-    @property
-    def custody(self) -> LaneCustody: ...
+    table: SlotTable
+    headers: HeaderTable
+    view: Callable[[int], memoryview]
+    """One whole slot (header and payload) of the medium."""
+    payload_bytes: int
+    peer_id: str
+    """The pool's, for the log."""
+    counts: dict[str, int]
+    """What happened to fills, by kind (the pool's ``counts``, read by its stats)."""
 
 
 class Delivery:
     """The accepting side of one pool (see module docstring)."""
 
-    def __init__(self, pool: DeliveryPool) -> None:
-        self.pool = pool
+    def __init__(self, slots: SlotAccess, *, network: bool = False) -> None:
+        self.slots = slots
+        self.network = network
+        """The medium is the network one: a completion may come before its data."""
         self.latency_s: float | None = None
         """Typical time from asking for a slot to accepting it (a moving average)."""
         self.progress_asked = 0.0
@@ -106,23 +75,20 @@ class Delivery:
         self._refusals = LogThrottle(log)
 
     def on_complete(self, generation: int, rows: list[list], *, notice: bool = False,
-                    lane: tuple[str, str] | None = None) -> None:
+                    lanes: bool = False, lane: tuple[str, str] | None = None) -> None:
         """Accept completed slots that check out, with the generation their checked header
-        carries. A notice's ``lane`` (path, process token) is where its slots are asked
-        for next."""
-        pool = self.pool
-        if pool.data_socket is not None:
-            self.receive_data()  # the data of these slots may be waiting on the data socket
-        if lane is not None:  # its worker is alive (the lane's deadline, ``custody.py``)
-            pool.custody.lane_answered(lane[1], time.monotonic())
-        table = pool.slots
-        known, count = table.records, len(table.records)
+        carries. With ``lanes`` (the pool asks workers directly), a notice's ``lane`` (path,
+        process token) is where its slots are asked for next (None: through the broker)."""
+        slots = self.slots
+        known, count = slots.table.records, len(slots.table.records)
         records, reqs = [], []
         for slot, req, ok in rows:
             record = known[slot] if slot < count else None  # (slot >= 0: checked by the protocol)
             if record is None or record.state is not PENDING or record.request_id != req:
-                if not (notice and pool.custody.settle_late(slot, req)):
-                    pool.counts["rejected"] += 1  # not what we asked for (late or foreign)
+                if notice and slots.table.release_late(slot, req, time.monotonic()):
+                    slots.counts["released"] += 1  # the late answer of a silent worker (``custody.py``)
+                else:
+                    slots.counts["rejected"] += 1  # not what we asked for (late or foreign)
                 continue
             if not ok:
                 self.on_failed_fill(record)
@@ -132,7 +98,7 @@ class Delivery:
         if not records:
             return
         self._consecutive_failures = 0
-        matches = pool.headers.check([record.idx for record in records], generation, reqs, pool.payload_bytes)
+        matches = slots.headers.check([record.idx for record in records], generation, reqs, slots.payload_bytes)
         if all(matches):
             self.accept(records, generation)
         else:
@@ -140,61 +106,60 @@ class Delivery:
             for record, match in zip(records, matches, strict=True):
                 if not match:
                     self.refuse(record, generation, notice=notice)
-        if notice and pool.direct_requests:
+        if notice and lanes:
             self._note_lanes([r for r in records if r.state is not PENDING], lane)
 
     def accept(self, records: list[SlotRecord], generation: int) -> None:
         """Checked slots become READY; their fill time and writer are noted."""
         if not records:
             return
-        pool = self.pool
+        slots = self.slots
         now = time.monotonic()
         first = records[0]
         self.progress_asked = max(self.progress_asked, max(record.asked for record in records))
         sample = now - first.asked
         self.latency_s = sample if self.latency_s is None else \
             (1 - LATENCY_WEIGHT) * self.latency_s + LATENCY_WEIGHT * sample
-        header = pool.headers.header(first.idx)
+        header = slots.headers.header(first.idx)
         writer = header.writer if header is not None else 0
         if writer:
             self.writers[writer] = now
-        pool.counts["accepted"] += len(records)
-        pool.slots.accept(records, generation, writer)
+        slots.counts["accepted"] += len(records)
+        slots.table.accept(records, generation, writer)
 
     def refuse(self, record: SlotRecord, generation: int, *, notice: bool) -> None:
         """A completed slot whose header did not pass the quick check: the slow check
         (checksum, and the reason to log) decides; a slot a live writer is still writing
         is left to it."""
-        pool = self.pool
-        view = pool.medium.slot_view(record.idx)
-        problem = check_slot(view, generation, record.request_id, pool.payload_bytes)
+        slots = self.slots
+        view = slots.view(record.idx)
+        problem = check_slot(view, generation, record.request_id, slots.payload_bytes)
         if problem is None:
             self.accept([record], generation)
             return
         if self.left_to_writer(record, view):
             return
-        if pool.headers.header(record.idx) is None:
+        if slots.headers.header(record.idx) is None:
             self._uncommitted(record, generation, notice=notice)
             return
         # Committed, but not what we asked for: its writer is done with the slot.
-        pool.counts["rejected"] += 1
-        self._refusals.warning("%s: slot %d refused (%s); asking again", pool.peer_id, record.idx, problem)
-        pool.ask_again(record)
+        slots.counts["rejected"] += 1
+        self._refusals.warning("%s: slot %d refused (%s); asking again", slots.peer_id, record.idx, problem)
+        slots.table.renew(record, time.monotonic(), keep_request=False)
 
     def _uncommitted(self, record: SlotRecord, generation: int, *, notice: bool) -> None:
         """Completed, but no commit in the header (yet), and no live writer on it."""
-        pool = self.pool
-        if pool.data_socket is not None and not notice:  # its data is on its way
-            pool.slots.move(record, AWAITING)
-            record.generation = generation
+        slots = self.slots
+        if self.network and not notice:  # its data is on its way
+            slots.table.await_data(record, generation)
             return
-        pool.counts["rejected"] += 1
+        slots.counts["rejected"] += 1
         if notice:  # a notice before its commit, or forged: the deadline looks at it again
             self._refusals.warning("%s: notice for slot %d ignored (no commit in its header); it stays "
-                                   "pending", pool.peer_id, record.idx)
+                                   "pending", slots.peer_id, record.idx)
             return
-        log.debug("%s: slot %d completed without a commit; asking again", pool.peer_id, record.idx)
-        pool.ask_again(record)
+        log.debug("%s: slot %d completed without a commit; asking again", slots.peer_id, record.idx)
+        slots.table.renew(record, time.monotonic(), keep_request=False)
 
     def left_to_writer(self, record: SlotRecord, view: memoryview) -> bool:
         """True (and the slot now waits on it) when a live writer claims this slot's fill
@@ -205,33 +170,33 @@ class Delivery:
         header = read_header(view)
         if header is not None and header.writer == claim and header.request_id == record.request_id:
             return False  # it has committed: it is done with the slot
-        self.pool.slots.left_to_writer(record, claim)
-        self.pool.unsend(record)
+        self.slots.table.left_to_writer(record, claim)
         return True
 
     def wait_or_ask(self, record: SlotRecord, why: str, *, keep_request: bool = False) -> None:
         """A PENDING slot its fill did not reach: left to a live writer that claims it,
         else asked for again."""
-        if self.left_to_writer(record, self.pool.medium.slot_view(record.idx)):
+        slots = self.slots
+        if self.left_to_writer(record, slots.view(record.idx)):
             return
-        log.debug("%s: slot %d %s; asking again", self.pool.peer_id, record.idx, why)
-        self.pool.ask_again(record, keep_request=keep_request)
+        log.debug("%s: slot %d %s; asking again", slots.peer_id, record.idx, why)
+        slots.table.renew(record, time.monotonic(), keep_request=keep_request)
 
     def on_failed_fill(self, record: SlotRecord) -> None:
         """A worker could not fill the slot: ask again, backing off while failures persist."""
-        pool = self.pool
-        pool.counts["failed"] += 1
+        slots = self.slots
+        slots.counts["failed"] += 1
         self._consecutive_failures += 1
         n = self._consecutive_failures
         if n >= MAX_CONSECUTIVE_FAILURES:
-            raise RuntimeError(f"{pool.peer_id}: workers failed {n} fills in a row; their logs say why "
+            raise RuntimeError(f"{slots.peer_id}: workers failed {n} fills in a row; their logs say why "
                                "(generator errors, a sample size that is not the students', or a segment "
                                "they cannot map)")
         if n >= FAILURES_BEFORE_BACKOFF:
             if time.monotonic() - self._failure_logged > 5:
                 self._failure_logged = time.monotonic()
                 log.warning("%s: %d fills in a row failed (see the worker logs); retrying with back-off",
-                            pool.peer_id, n)
+                            slots.peer_id, n)
             time.sleep(min(BACKOFF_MAX_S, 0.001 * 2 ** (n - FAILURES_BEFORE_BACKOFF)))
         self.wait_or_ask(record, "failed")
 
@@ -247,29 +212,23 @@ class Delivery:
                 visible = self._visible[lane[1]] = process_alive(lane[1]) is True
             if not visible:
                 lane = None
-        self.pool.slots.set_lanes(records, lane)
+        self.slots.table.set_lanes(records, lane)
 
     # ------------------------------------------------------------------ network medium
-    def receive_data(self) -> None:
-        """Copy arrived DATA into the slots that wait for it; check those already completed."""
-        pool = self.pool
-        medium = cast("TcpMedium", pool.medium)  # a data socket is a network medium's
-        for slot in medium.receive(self.expected_request):
-            record = pool.slots.records[slot]
+    def on_data(self, slots: list[int]) -> None:
+        """Data arrived for these slots (network medium): those completed already are checked."""
+        records = self.slots.table.records
+        for slot in slots:
+            record = records[slot]
             if record.state is AWAITING:
                 self.refuse(record, record.generation, notice=False)
 
-    def expected_request(self, slot: int) -> int | None:
-        record = self.pool.slots.record(slot)
-        if record is None or record.state not in (PENDING, AWAITING):
-            return None
-        return record.request_id
-
     def expire_awaiting(self) -> None:
-        pool = self.pool
+        """Completed slots whose data never came are asked for again."""
+        slots = self.slots
         now = time.monotonic()
-        for record in [r for r in pool.slots.records if r.state is AWAITING and now - r.asked > DATA_WAIT_S]:
-            pool.counts["rejected"] += 1
+        for record in [r for r in slots.table.records if r.state is AWAITING and now - r.asked > DATA_WAIT_S]:
+            slots.counts["rejected"] += 1
             self._refusals.warning("%s: slot %d completed but its data never came in %.0fs; asking again",
-                                   pool.peer_id, record.idx, DATA_WAIT_S)
-            pool.ask([record.idx])
+                                   slots.peer_id, record.idx, DATA_WAIT_S)
+            slots.table.ask([record.idx], now)

@@ -14,6 +14,10 @@ of it decide about what comes back:
 - ``custody.py``: what waits on other processes (quarantine, declines, a broker
   restart, the pending deadline, the lanes' deadline, the writers' fair share).
 
+Neither holds the pool: they move the slot table (``SlotAccess``), and what their moves
+leave to do waits in its queues, which the pool carries out right after each call
+(headers to ask, ``_carry_out``) or on its next flush (requests to send).
+
 Asking for a fill: a fresh, random request id per fill (``slots.random_request_ids``);
 the slot's header is *asked* (zeroed, its ``fill`` set to that id) before the request
 leaves, straight to the local worker that filled it last (DIRECT) within that worker's
@@ -33,7 +37,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -53,13 +57,13 @@ from distill.pipeline.liveness import (
 )
 from distill.pipeline.mediums.shm import SharedMemoryManager, sweep_orphans
 from distill.pipeline.mediums.tcp import TcpMedium
-from distill.pipeline.notices import NoticeInbox, encode_datagram
 from distill.pipeline.protocol import DEFAULT_RUN, Command, ProtocolError
 from distill.pipeline.settings import merge
 from distill.pipeline.slot import HEADER_BYTES, HeaderTable, slot_stride
 from distill.pipeline.student.custody import Custody
-from distill.pipeline.student.delivery import Delivery
-from distill.pipeline.student.slots import PENDING, Route, SlotRecord, SlotTable
+from distill.pipeline.student.delivery import Delivery, SlotAccess
+from distill.pipeline.student.inbox import Inbox, NoInbox
+from distill.pipeline.student.slots import PENDING, Route, SlotTable
 from distill.pipeline.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -169,16 +173,17 @@ class SlotPool:
         self._sock.setsockopt(zmq.ROUTING_ID, self.peer_id.encode())
         self._sock.setsockopt(zmq.SNDTIMEO, protocol.SEND_RETRY_MS)  # see _send
         self._sock.connect(cfg.frontend_endpoint)
-        self._inbox = (NoticeInbox.open(self.medium.buf_name, cfg.socket_dir)
-                       if cfg.notices and self.data_socket is None else None)
-        """Workers on this machine announce filled slots here, past the broker (``notices.py``);
-        in ``socket_dir`` (default: the default socket directory), where they must look too."""
-        self.direct_requests = cfg.direct_requests and self._inbox is not None
+        self._inbox: Inbox | NoInbox = (
+            Inbox.open(self.medium.buf_name, cfg.socket_dir, direct=cfg.direct_requests)
+            if cfg.notices and self.data_socket is None else NoInbox())
+        """Workers on this machine announce filled slots here, past the broker, and are asked
+        for slots directly from here (``inbox.py``); in ``socket_dir`` (default: the default
+        socket directory), where they must look too."""
         self._checked = 0.0
         """When the checks that run once per heartbeat interval last ran (``_beat_checks``)."""
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        if self._inbox is not None:
+        if self._inbox.fileno() is not None:
             self._poller.register(self._inbox.fileno(), zmq.POLLIN)
         self.heart = Heartbeater(cfg.frontend_endpoint, self.peer_id, cfg.role,
                                   interval_s=cfg.heartbeat_interval_s, liveness=cfg.heartbeat_liveness,
@@ -200,15 +205,32 @@ class SlotPool:
         self._model_cfg: tuple[str, dict] | None = None
         """(digest, model_cfg) of the last WELCOME that carried one: the broker sends a run's
         cfg once per connection and model (``protocol.py``), then only its digest."""
-        self.delivery = Delivery(self)
+        access = SlotAccess(self.slots, self.headers, self.medium.slot_view, cfg.payload_bytes, self.peer_id,
+                            self.counts)
+        self.delivery = Delivery(access, network=self.data_socket is not None)
         """Takes completions in (``delivery.py``)."""
-        self.custody = Custody(self)
+        self.custody = Custody(access, self.delivery, self.heart, pending_deadline_s=cfg.pending_deadline_s)
         """Decides about slots that wait on other processes (``custody.py``)."""
-        self.custody.update_share()
+        self._write_share()
 
     def note_generation(self, generation: int) -> None:
         """Raise the consumer's generation: only for what the broker says the leader set."""
         self._note_generation(generation)
+
+    def _carry_out(self) -> None:
+        """Ask the headers of the slots just given new requests (``SlotTable.to_ask``): at
+        once, so that a late writer of the old fill finds another fill in the slot."""
+        table = self.slots
+        if table.to_ask:
+            slots, table.to_ask = table.to_ask, []
+            records = table.records
+            self.headers.ask(slots, [records[slot].request_id for slot in slots])
+
+    def _write_share(self) -> None:
+        """Write the writers' fair share into the segment header when it changed (``max_claims``)."""
+        share = self.custody.fair_share()
+        if share is not None:
+            self.medium.set_max_claims(share)
 
     def request_free(self) -> None:
         """Ask for every FREE slot to be filled (sent on the next flush)."""
@@ -228,86 +250,31 @@ class SlotPool:
         """Ask for fills of ``slots`` (nobody writes them now): fresh requests, headers asked."""
         if not slots:
             return
-        asked = self.slots.ask(slots, time.monotonic(), from_free=from_free, handed_out=handed_out)
-        self.headers.ask(slots, [record.request_id for record in asked])
-
-    def ask_again(self, record: SlotRecord, *, keep_request: bool = False) -> None:
-        """A slot nobody will write (any more) is asked for again, with a new request; with
-        ``keep_request`` its old request is not lost but asked for in the next slot asked."""
-        if record.state is PENDING:
-            self.unsend(record)
-        self.slots.renew(record, time.monotonic(), keep_request=keep_request)
-        self.headers.ask([record.idx], [record.request_id])
-        if keep_request:
-            self.reissue_now()
-
-    def unsend(self, record: SlotRecord) -> None:
-        with contextlib.suppress(ValueError):
-            self.slots.to_send.remove(record.idx)
-
-    def resend(self, record: SlotRecord) -> None:
-        """Send a PENDING slot's request again, same id, through the broker (its lane's
-        worker will not fill it)."""
-        self.slots.through_broker(record)
-        self.slots.to_send.append(record.idx)
+        self.slots.ask(slots, time.monotonic(), from_free=from_free, handed_out=handed_out)
+        self._carry_out()
 
     def flush(self) -> None:
         """Send the requests of the slots asked for since the last flush."""
         table = self.slots
         if not table.to_send:
             return
+        self._carry_out()
         records = table.records
         wanted = [s for s in dict.fromkeys(table.to_send) if records[s].state is PENDING]
         table.to_send.clear()
-        if self.direct_requests and any(records[s].lane is not None for s in wanted):
-            wanted = self._send_direct(wanted)
+        body = {"run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
+                "medium": self.medium.buf_name, "stride": self.medium.slot_stride}
+        wanted, asked = self._inbox.send_direct(table, wanted, self.custody.direct_share(), body)
+        if asked:
+            now = time.monotonic()
+            for process, count in asked.items():
+                self.counts["direct"] += count
+                self.custody.lane_sent(process, now)  # its deadline (``custody.LaneClock``)
         if not wanted:
             return
         if not self._met_broker:
             self._meet_broker()
-        self._send(Command.REQUEST, {
-            "run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
-            "medium": self.medium.buf_name, "stride": self.medium.slot_stride,
-            "slots": [[s, records[s].request_id] for s in wanted],
-        })
-
-    def _send_direct(self, slots: list[int]) -> list[int]:
-        """Ask for the slots that have a lane straight from its worker, up to that worker's
-        fair share of our slots (a lane is sticky: without it, one worker would end up
-        holding them all); returns those left for the broker (no lane, over the share, or
-        the datagram was not taken)."""
-        records = self.slots.records
-        held: dict[str, int] = {}
-        for record in records:
-            if record.state is PENDING and record.route is Route.DIRECT:
-                held[record.holder] = held.get(record.holder, 0) + 1
-        by_lane: dict[tuple[str, str], list[int]] = {}
-        rest = []
-        share = self.custody.direct_share()
-        for slot in slots:
-            lane = records[slot].lane
-            if lane is None or held.get(lane[1], 0) >= share:
-                rest.append(slot)
-                continue
-            held[lane[1]] = held.get(lane[1], 0) + 1
-            by_lane.setdefault(lane, []).append(slot)
-        generation = self._generation()
-        now = time.monotonic()
-        for (path, process), group in by_lane.items():
-            data = encode_datagram(Command.DIRECT, {
-                "run_id": self.run_id, "peer_id": self.peer_id, "generation": generation,
-                "medium": self.medium.buf_name, "stride": self.medium.slot_stride,
-                "slots": [[s, records[s].request_id] for s in group]})
-            if self._inbox.send_to(path, data):
-                for slot in group:
-                    self.slots.asked_directly(records[slot], process)
-                self.counts["direct"] += len(group)
-                self.custody.lane_sent(process, now)  # its deadline (``custody.LaneClock``)
-                continue
-            # gone or full: nobody will write these, the broker may
-            self.slots.set_lanes([records[slot] for slot in group], None)
-            rest.extend(group)
-        return rest
+        self._send(Command.REQUEST, {**body, "slots": [[s, records[s].request_id] for s in wanted]})
 
     def _send(self, command: Command, body: dict[str, Any], wait: BrokerWait | None = None) -> None:
         """Send to the broker, raising rather than blocking forever when it refuses our key
@@ -364,7 +331,7 @@ class SlotPool:
                 self._wait_network(min(left, self.heart.interval_s))
             else:
                 ready = dict(self._poller.poll(min(left, self.heart.interval_s) * 1000))
-                if self._inbox is not None and self._inbox.fileno() in ready:
+                if self._inbox.fileno() in ready:
                     self._take_notices()
                 if self._sock in ready:  # asking only then saves a call per sample of large ones
                     self._drain()
@@ -388,22 +355,29 @@ class SlotPool:
 
     def _take_notices(self) -> None:
         """Completions a worker sent us directly (checked exactly as the broker's)."""
-        if self._inbox is None:
-            return
         for msg in self._inbox.receive():
             if msg.command is Command.DECLINED:
                 self.custody.on_declined(msg.body["slots"], msg.body["reason"])
                 continue
             self.counts["notices"] += 1
             lane = msg.body.get("lane")
+            if lane is not None:  # its worker is alive (the lane's deadline, ``custody.py``)
+                self.custody.lane_answered(msg.body.get("process") or "", time.monotonic())
             self.delivery.on_complete(msg.body["generation"], msg.body["slots"], notice=True,
-                              lane=None if lane is None else (lane, msg.body.get("process") or ""))
+                                      lanes=self._inbox.direct,
+                                      lane=None if lane is None else (lane, msg.body.get("process") or ""))
+        self._carry_out()
 
     def _on_message(self, msg: protocol.Message) -> dict[str, Any] | None:
+        if msg.command is Command.WELCOME:
+            return self._welcomed(msg.body)
         if msg.command is Command.COMPLETE:
+            if self.data_socket is not None:
+                self._receive_data()  # the data of these slots may be waiting on the data socket
             self.delivery.on_complete(msg.body["generation"], msg.body["slots"])
         elif msg.command is Command.DISCARDED:
-            self.custody.on_discarded(msg.body["generation"], msg.body["slots"])
+            self.note_generation(msg.body["generation"])  # the broker's is the leader's
+            self.custody.on_discarded(msg.body["slots"])
         elif msg.command is Command.QUARANTINE:
             self.custody.on_quarantine(msg.body["slots"], msg.body.get("process"), direct=bool(msg.body.get("direct")))
         elif msg.command is Command.RELEASE:
@@ -414,8 +388,7 @@ class SlotPool:
             else:
                 log.error("%s: broker refused %s: %s", self.peer_id, msg.body.get("command"),
                           msg.body["reason"])
-        elif msg.command is Command.WELCOME:
-            return self._welcomed(msg.body)
+        self._carry_out()
         return None
 
     def _welcomed(self, welcome: dict[str, Any]) -> dict[str, Any]:
@@ -437,18 +410,25 @@ class SlotPool:
         poller.register(self.data_socket, zmq.POLLIN)
         events = dict(poller.poll(timeout_s * 1000))
         if self.data_socket in events:
-            self.delivery.receive_data()
+            self._receive_data()
         if self._sock in events:
             self._drain()
         self.delivery.expire_awaiting()
+        self._carry_out()
+
+    def _receive_data(self) -> None:
+        """Copy arrived DATA into the slots that wait for it; check those completed already."""
+        medium = cast("TcpMedium", self.medium)  # a data socket is a network medium's
+        self.delivery.on_data(medium.receive(self.slots.expected_request))
 
     def _beat_checks(self) -> None:
         """What waits on other processes, looked at once per heartbeat interval (each needs
         a system call per slot or writer): held and overdue slots, our inbox."""
         self._checked = now = time.monotonic()
         self.custody.beat_checks(now)
-        if self.direct_requests:
-            self._check_inbox()
+        self._carry_out()
+        self._write_share()
+        self._check_inbox()
 
     def _check_inbox(self) -> None:
         """Bind our inbox again if its file vanished: workers keep answers to DIRECT
@@ -457,20 +437,14 @@ class SlotPool:
             return
         self._take_notices()  # what reached the old socket
         self._poller.unregister(self._inbox.fileno())
-        self._inbox.close()
-        self._inbox = NoticeInbox.open(self.medium.buf_name, self.config.socket_dir)
-        if self._inbox is None:  # cannot: notices go through the broker from now on
-            log.warning("%s: inbox vanished and could not be bound again; no direct notices", self.peer_id)
-            self.direct_requests = False
+        old = self._inbox.path
+        self._inbox = self._inbox.rebind()
+        if self._inbox.fileno() is None:  # cannot: notices go through the broker from now on
+            log.warning("%s: inbox %s vanished and could not be bound again; no direct notices", self.peer_id, old)
             self.slots.drop_lanes()
             return
         self._poller.register(self._inbox.fileno(), zmq.POLLIN)
         log.warning("%s: inbox %s vanished; bound it again", self.peer_id, self._inbox.path)
-
-    def reissue_now(self) -> None:
-        """Slots still FREE (never requested) can carry re-issued requests at once."""
-        while self.slots.reissue and self.slots.free:
-            self.ask([self.slots.free[0]], from_free=True)
 
     def _check_refused(self) -> None:
         """A broker that refuses our key never answers: say so instead of waiting forever."""
@@ -497,6 +471,7 @@ class SlotPool:
         self._take_notices()  # answers already here settle their requests: those need no repeat
         self._drain()
         self.custody.on_broker_restart(pending)
+        self._carry_out()
         self.flush()
 
     def wait_for_broker(self, command: Command, endpoint: str, timeout_ms: float | None = None) -> BrokerWait:
@@ -572,10 +547,10 @@ class SlotPool:
             protocol.send(self._sock, Command.BYE, {"peer_id": self.peer_id})
         self._sock.setsockopt(zmq.LINGER, BYE_LINGER_MS)
         self._disconnect()
-        if self._inbox is not None:
-            self._inbox.close()
+        self._inbox.close()
         # Drop our views of the segment first, so that closing it can unmap it.
         self._slot_views.clear()
+        self.headers.close()  # the helpers' reference to it holds no view of the segment either
         self.headers = self._payload_rows = None
         self.medium.close()
 

@@ -23,6 +23,11 @@ Every slot of a :class:`~distill.pipeline.student.pool.SlotPool` is exactly one
   request was asked for in another slot, and it comes back once that writer is done
   (a late answer to ``late_request``, RELEASE) or gone.
 
+The table is all the pool's helpers (``delivery.py``, ``custody.py``) change: every move,
+route, holder and lane is set by a method here, and what the moves leave for the pool to
+carry out waits in two queues, ``to_ask`` (headers to ask before anything else) and
+``to_send`` (requests to send on the next flush).
+
 Each record also knows what served it last (``writer``, the writer id of its last
 accepted commit, and ``lane``, the local worker's request lane), which is where its
 next fill is asked for, and ``asked``, when its current request went out.
@@ -116,6 +121,10 @@ class SlotTable:
         """READY slots in arrival order: (slot, generation, request id)."""
         self.to_send: list[int] = []
         """PENDING slots whose request has not been sent yet (sent on the pool's flush)."""
+        self.to_ask: list[int] = []
+        """PENDING slots with a new request whose header still shows the old one: the pool
+        asks these headers (``HeaderTable.ask``) right after the move, before any request
+        leaves, so that an old writer of the slot finds another fill there."""
         self.reissue: deque[tuple[int, int]] = deque()
         """(request id, fill) of quarantined slots' requests, to be asked for in other slots."""
         self.next_fill = 1
@@ -169,14 +178,18 @@ class SlotTable:
         if from_free:
             self.free = deque(slot for slot in self.free if records[slot].state is FREE)
         self.to_send.extend(slots)
+        self.to_ask.extend(slots)
         return asked
 
     def renew(self, record: SlotRecord, now: float, *, keep_request: bool) -> None:
         """Ask for a slot again with a fresh request (never a re-issued one: its header's
         fill must change, so an old writer of the slot finds another fill there). With
-        ``keep_request``, its old request is re-issued in the next slot asked for."""
+        ``keep_request``, its old request is re-issued in the next slot asked for (a FREE
+        one at once)."""
         if record.state is not PENDING and PENDING not in TRANSITIONS[record.state]:
             raise SlotStateError(f"slot {record.idx}: {record.state.name} -> PENDING")
+        if record.state is PENDING:
+            self.unsend(record)
         if keep_request:
             self.reissue.append((record.request_id, record.fill))
         record.state = PENDING
@@ -185,6 +198,49 @@ class SlotTable:
         record.route, record.holder = Route.BROKER, None
         record.asked = now
         self.to_send.append(record.idx)
+        self.to_ask.append(record.idx)
+        if keep_request:
+            self.reissue_free(now)
+
+    def reissue_free(self, now: float) -> None:
+        """Slots still FREE (never asked for) carry re-issued requests at once."""
+        while self.reissue and self.free:
+            self.ask([self.free[0]], now, from_free=True)
+
+    def release(self, record: SlotRecord, now: float) -> None:
+        """A QUARANTINED slot's writer is done with it or gone: back in use, asked for."""
+        if record.state is not QUARANTINED:
+            raise SlotStateError(f"slot {record.idx}: {record.state.name} released")
+        record.late_request = 0
+        self.ask([record.idx], now)
+
+    def release_late(self, slot: int, request_id: int, now: float) -> bool:
+        """A late answer (a notice or a DECLINED) to the DIRECT request ``request_id`` of a
+        slot quarantined while its worker was silent: that worker is done with the slot,
+        which is released. True when it was one (slots in messages are untrusted)."""
+        record = self.record(slot)
+        if record is None or record.state is not QUARANTINED or not record.late_request \
+                or record.late_request != request_id:
+            return False
+        self.release(record, now)
+        return True
+
+    def await_data(self, record: SlotRecord, generation: int) -> None:
+        """A completed slot whose data has not come yet (network medium)."""
+        self.move(record, AWAITING)
+        record.generation = generation
+
+    def expected_request(self, slot: int) -> int | None:
+        """The request id whose data ``slot`` takes (network medium; None: it takes none)."""
+        record = self.record(slot)
+        if record is None or record.state not in (PENDING, AWAITING):
+            return None
+        return record.request_id
+
+    def unsend(self, record: SlotRecord) -> None:
+        """Its request is not sent after all (the slot is someone else's now)."""
+        if record.idx in self.to_send:
+            self.to_send = [slot for slot in self.to_send if slot != record.idx]
 
     def move(self, record: SlotRecord, state: SlotState) -> None:
         """Move one record, checked against :data:`TRANSITIONS`."""
@@ -226,23 +282,40 @@ class SlotTable:
         """A PENDING slot a silent writer may still write: out of use, its request asked
         for in another slot."""
         self.move(record, QUARANTINED)
+        self.unsend(record)
         self.reissue.append((record.request_id, record.fill))
         record.holder, record.late_request = holder, late_request
 
-    # ------------------------------------------------------------------ checks
     # ------------------------------------------------------------------ routes and lanes
-    def through_broker(self, record: SlotRecord) -> None:
-        """A PENDING slot asked for again through the broker: no holder, no lane (the worker
-        whose lane it was will not fill it)."""
+    def resend(self, record: SlotRecord) -> None:
+        """A PENDING slot's request sent again, same id, through the broker: no holder, no
+        lane (the worker whose lane it was will not fill it)."""
         record.route, record.holder, record.lane = Route.BROKER, None, None
+        self.to_send.append(record.idx)
+
+    def send_again(self, records: list[SlotRecord]) -> None:
+        """PENDING slots whose request the broker refused: sent again as they are."""
+        self.to_send.extend(record.idx for record in records)
 
     def asked_directly(self, record: SlotRecord, process: str) -> None:
         """A PENDING slot asked of the worker ``process`` by DIRECT."""
         record.route, record.holder = Route.DIRECT, process
 
     def left_to_writer(self, record: SlotRecord, claim: int) -> None:
-        """A PENDING slot a live writer claims: it is that writer's to fill."""
+        """A PENDING slot a live writer claims: it is that writer's to fill (its request is
+        not sent again)."""
         record.route, record.holder = Route.WRITER, claim
+        self.unsend(record)
+
+    def direct_held(self) -> dict[str, int]:
+        """process token -> how many PENDING slots that worker holds by DIRECT."""
+        held: dict[str, int] = {}
+        for record in self.records:
+            if record.state is PENDING and record.route is Route.DIRECT:
+                held[record.holder] = held.get(record.holder, 0) + 1
+        return held
+
+    # ------------------------------------------------------------------ checks
 
     def set_lanes(self, records: list[SlotRecord], lane: tuple[str, str] | None) -> None:
         """Where ``records`` are asked next: the local worker that filled them (None: the broker)."""
@@ -284,6 +357,8 @@ class SlotTable:
                 problems.append(f"ready entry of slot {slot} does not match its record")
         if not {slot for slot in self.to_send} <= {r.idx for r in records if r.state is PENDING}:
             problems.append("a slot to send is not PENDING")
+        if not set(self.to_ask) <= {r.idx for r in records if r.state is PENDING}:
+            problems.append("a slot whose header is to be asked is not PENDING")
         live = [r.request_id for r in records if r.state in (PENDING, AWAITING, READY, OUT)]
         if len(set(live)) != len(live):
             problems.append("two slots hold the same request id")

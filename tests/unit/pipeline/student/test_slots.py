@@ -64,7 +64,9 @@ def test_moves_outside_the_diagram_are_refused() -> None:
 def test_quarantine_reissues_the_request_and_renew_keeps_it() -> None:
     table = SlotTable(3)
     a, b, c = table.ask([0, 1, 2], now=0.0, from_free=True)
+    assert table.to_ask == [0, 1, 2]
     table.to_send.clear()
+    table.to_ask.clear()  # sent, headers asked (the pool's part)
     table.quarantine(a, holder=42)
     assert table.reissue[0] == (a.request_id, a.fill)
     table.renew(b, now=2.0, keep_request=True)
@@ -125,5 +127,6 @@ def test_a_random_walk_keeps_every_invariant() -> None:
             pending = [r for r in records if r.state is PENDING]
             if pending:
                 table.renew(rng.choice(pending), now, keep_request=rng.random() < 0.5)
-        table.to_send = [s for s in table.to_send if records[s].state is PENDING]
+        table.to_send = [s for s in table.to_send if records[s].state is PENDING]  # (accepted unsent)
         assert table.check() == [], f"step {_step}: {table.check()}"
+        table.to_ask.clear()  # the pool asks their headers
