@@ -244,13 +244,20 @@ def run_switch_rank(rank: int, world: int, init_file: str, endpoints: dict[str, 
     dist.destroy_process_group()
 
 
+def announce(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` at once: a test that waits for the file to exist reads it
+    whole (written in place, it could read it empty, as one did on a loaded machine)."""
+    staged = f"{path}.{os.getpid()}.tmp"
+    Path(staged).write_text(text)
+    os.replace(staged, path)
+
+
 def run_freezing_worker(endpoints: dict[str, str], busy_file: str, heartbeat_interval_s: float = 0.2) -> None:
     """A worker that announces its first batch in ``busy_file`` and then hangs in it."""
     setup_logging("WARNING")
 
     def hang(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
-        with open(busy_file, "w") as f:
-            f.write(str(len(targets)))
+        announce(busy_file, str(len(targets)))
         time.sleep(600)
 
     Worker(batch_fn=hang, batch_config=batch_config(), backend_endpoint=endpoints["backend"],
@@ -271,8 +278,7 @@ def run_zombie_worker(endpoints: dict[str, str], mid_write_file: str, heartbeat_
         for target in targets:
             x = target.tensors["x"]
             x[: x.numel() // 2] = -1.0
-        with open(mid_write_file, "w") as f:
-            f.write(str(len(targets)))
+        announce(mid_write_file, str(len(targets)))
         time.sleep(2.0)  # frozen here; the sleep's deadline has passed when it resumes
         for target in targets:
             x = target.tensors["x"]
@@ -389,8 +395,7 @@ def run_slow_writer(endpoints: dict[str, str], mid_file: str, pause_s: float,
             x = target.tensors["x"]
             x[: x.numel() // 2] = mine
         if first:
-            with open(mid_file, "w") as f:
-                f.write(str(len(targets)))
+            announce(mid_file, str(len(targets)))
             time.sleep(pause_s)
         for target in targets:
             x = target.tensors["x"]
@@ -497,7 +502,7 @@ def run_hanging_worker(endpoints: dict[str, str], hang_after: int, busy_file: st
     def batch_fn(model_id: str, model_cfg: dict | None, targets: list[SlotTarget]) -> None:
         batches[0] += 1
         if batches[0] > hang_after:
-            Path(busy_file).write_text(str(len(targets)))
+            announce(busy_file, str(len(targets)))
             time.sleep(600)
         fill_targets(model_id, model_cfg, targets)
 

@@ -71,6 +71,13 @@ def _procs_with(marker: str) -> list[int]:
     return pids
 
 
+def _run_id(name: str) -> str:
+    """A run id that no test of another pytest session on this machine uses at the same time
+    (the suite may run twice side by side): these tests find their run's processes by it, to
+    kill one or to check that none is left."""
+    return f"{name}{os.getpid()}"
+
+
 def _wait_gone(marker: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while (left := _procs_with(marker)) and time.monotonic() < deadline:
@@ -89,8 +96,9 @@ def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) ->
 
 
 def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: Path) -> None:
+    run_id = _run_id("e2ellama")
     ckpt = tmp_path / "ckpt"
-    overrides = [*_tiny(tmp_path), "run_id=e2ellama", "student.steps_per_stage=60",
+    overrides = [*_tiny(tmp_path), f"run_id={run_id}", "student.steps_per_stage=60",
                  "student.checkpoint_every_steps=10", f"checkpoint_dir={ckpt}"]
     first = subprocess.Popen(_cmd(overrides, tmp_path / "run1"), cwd=tmp_path, env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -101,7 +109,7 @@ def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: P
             return state.exists() and json.loads(state.read_text()).get("stage") == 1
 
         _wait_for(mid_stage_1, RUN_TIMEOUT_S, "a checkpoint inside stage 1", first)
-        ranks = [pid for pid in _procs_with("e2ellama") if _is_rank(pid)]
+        ranks = [pid for pid in _procs_with(run_id) if _is_rank(pid)]
         assert ranks, "no student rank found"
         os.kill(ranks[-1], signal.SIGKILL)
         first.wait(timeout=120)
@@ -109,14 +117,14 @@ def test_llama_two_workers_two_ranks_resume_after_kill_export_reload(tmp_path: P
         if first.poll() is None:
             first.kill()
     assert first.returncode != 0
-    _wait_gone("e2ellama")
+    _wait_gone(run_id)
     killed_at = json.loads(state.read_text())["step"]
 
     second = _run(overrides, tmp_path / "run2", tmp_path)
     log = second.stdout + second.stderr
     assert "stage 0 (layers [0]) already trained: skipping" in log
     assert f"stage 1: resumed at step {killed_at}" in log
-    _wait_gone("e2ellama")
+    _wait_gone(run_id)
 
     run2 = tmp_path / "run2"
     metrics = [json.loads(line) for line in (run2 / "metrics.jsonl").read_text().splitlines()]
@@ -159,14 +167,15 @@ def _is_rank(pid: int) -> bool:
 def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     """The pre-trained tiny BERT (a few masked-LM steps here), its layer stages, then an
     end-to-end stage on its final hidden state; per-layer scores come before and after it."""
+    run_id = _run_id("e2ebert")
     overrides = [*_tiny(tmp_path, layers=2), "teacher=tiny_bert", "teacher.tiny.hidden_size=32",
-                 "replacement=linear_attention", "run_id=e2ebert", "student.steps_per_stage=10",
+                 "replacement=linear_attention", f"run_id={run_id}", "student.steps_per_stage=10",
                  "local.num_workers=1", "local.num_students=1",  # 2 + 2 are the Llama test's
                  "student.layers_per_stage=2", "student.e2e.steps=6", "student.val_every_steps=3",
                  f"checkpoint_dir={tmp_path / 'ckpt'}"]
     result = _run(overrides, tmp_path / "run", tmp_path)
     log = result.stdout + result.stderr
-    _wait_gone("e2ebert")
+    _wait_gone(run_id)
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["eval"]["kind"] == "encoder"
     assert 0 < result["eval"]["identity"] < result["eval"]["student"] <= 1.0
@@ -186,7 +195,7 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     students = (tmp_path / "run" / "student.log").read_text()
     assert re.search(r"stage 1/2, 62% of the steps, ~\d+(m\d\ds|s) left", students), students[-3000:]
     assert "end-to-end stage (6 steps, ~" in students and "stage 2/2, 100% of the steps" in students
-    assert re.search(r"this run's broker counters: .* -m distill mode=stats pipeline\.socket_dir=/\S+e2ebert-", log)
+    assert re.search(r"this run's broker counters: .* -m distill mode=stats pipeline\.socket_dir=/\S+" + run_id + "-", log)
 
     # The same command again: every stage comes finished from its checkpoint, nothing is
     # trained (so no metrics.jsonl), and the run still exports, evaluates and reports.
@@ -199,16 +208,17 @@ def test_bert_encoder_end_to_end(tmp_path: Path) -> None:
     assert "| `replacement` | linear_attention |" in first and "| `teacher` | tiny_bert |" in first
     assert "distill.replacements" not in first and first.count(" | seconds | ") == 1
     assert "layers [0, 1] were not trained by this run" in report and not (tmp_path / "again" / "losses.png").exists()
-    _wait_gone("e2ebert")
+    _wait_gone(run_id)
 
 
 def test_joint_schedule_trains_every_layer_in_one_stage_on_two_ranks(tmp_path: Path) -> None:
     """student.schedule=joint: one stage of all layers, fed the embeddings alone (the ranks run
     the chain and average their gradients without DDP), exported and evaluated like any run."""
-    overrides = [*_tiny(tmp_path), "run_id=jointllama", "student.schedule=joint", "student.steps_per_stage=8",
+    run_id = _run_id("jointllama")
+    overrides = [*_tiny(tmp_path), f"run_id={run_id}", "student.schedule=joint", "student.steps_per_stage=8",
                  "student.val_every_steps=4", "local.num_workers=1"]
     _run(overrides, tmp_path / "run", tmp_path)
-    _wait_gone("jointllama")
+    _wait_gone(run_id)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     ends = [(m["layers"], m["kind"], m["steps"]) for m in metrics if m["event"] == "stage_end"]
     assert ends == [([0, 1, 2], "layers", 8)]
@@ -249,7 +259,7 @@ def _check_data_supply_and_time_split(run: Path, log: str) -> None:
 def test_local_tears_everything_down(tmp_path: Path, fault: str) -> None:
     """SIGINT to the supervisor, Ctrl-C as a terminal sends it (to the whole process group), or a
     teacher killed: every process goes, and the last line says what happened."""
-    marker = f"e2e{fault.replace('_', '')}"
+    marker = _run_id(f"e2e{fault.replace('_', '')}")
     overrides = [*_tiny(tmp_path), f"run_id={marker}", "student.steps_per_stage=100000",
                  "local.num_workers=1",  # one teacher is enough to kill; both DDP ranks must go
                  f"checkpoint_dir={tmp_path / 'ckpt'}"]

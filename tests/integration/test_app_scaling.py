@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_app import RUN_TIMEOUT_S, _cmd, _env, _tiny, _wait_for, _wait_gone
+from tests.integration.test_app import (
+    RUN_TIMEOUT_S,
+    _cmd,
+    _env,
+    _run_id,
+    _tiny,
+    _wait_for,
+    _wait_gone,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.alone]
 
@@ -38,7 +46,8 @@ def _stage_ends(run: Path) -> list[dict]:
 
 def test_a_worker_added_to_a_running_job_gets_work_and_the_next_stage_is_fed_faster(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    overrides = [*_tiny(tmp_path, layers=5), "run_id=appscale",
+    run_id = _run_id("appscale")
+    overrides = [*_tiny(tmp_path, layers=5), f"run_id={run_id}",
                  "teacher.tiny.train_steps=2",  # its quality does not matter here: built in ~1 s
                  "local.num_workers=1", "local.num_students=1",
                  f"teacher.sleep_per_batch_s={SLEEP_S}", "student.micro_batch_size=8", "pipeline.slot_count=32",
@@ -67,7 +76,7 @@ def test_a_worker_added_to_a_running_job_gets_work_and_the_next_stage_is_fed_fas
                 proc.kill()
     assert job.returncode == 0, log[-4000:]
     assert not (run / "add_worker.sh").exists(), "the script outlived the job it joins"
-    _wait_gone("appscale")
+    _wait_gone(run_id)
 
     ends = _stage_ends(run)
     assert [end["stage"] for end in ends] == [0, 1, 2, 3, 4]
