@@ -24,6 +24,12 @@ children inherit its environment and working directory, not the test's: ``Procs.
 hands them the test's (``_in_callers_env``)."""
 MP.set_forkserver_preload(["tests.peers"])
 
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # A suite started in the background by a script (``pytest &``) inherits SIGINT ignored,
+    # and every process the tests start would too: the Ctrl-C tests could not interrupt
+    # them. A terminal's Ctrl-C reaches a user's run with the default action: so here.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def shared_tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory every pytest-xdist worker of this session shares (each worker has a

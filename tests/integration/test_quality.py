@@ -22,6 +22,7 @@ from tests.integration.test_app import (
     _is_rank,
     _procs_with,
     _run,
+    _run_id,
     _tiny,
     _wait_for,
     _wait_gone,
@@ -31,8 +32,11 @@ E2E_STAGE = 3
 """Index of the end-to-end stage after the 2 scoring stages and the 1 layer stage."""
 
 
+RUN_ID = _run_id("qualitye2e")
+
+
 def _overrides(tmp_path: Path) -> list[str]:
-    return [*_tiny(tmp_path, layers=2), "local.num_workers=1", "run_id=qualitye2e", f"checkpoint_dir={tmp_path / 'ckpt'}",
+    return [*_tiny(tmp_path, layers=2), "local.num_workers=1", f"run_id={RUN_ID}", f"checkpoint_dir={tmp_path / 'ckpt'}",
             "replacement=mlp", "student.inputs=mix", "student.steps_per_stage=8", "student.val_every_steps=2",
             "student.patience=1", "student.min_delta=10", "student.e2e.steps=30", "student.e2e.trainable=lora",
             "student.e2e.lr=1e-2", "student.e2e.top_k=8", "student.e2e.hidden_weight=0.1",
@@ -50,17 +54,17 @@ def test_closed_loop_patience_and_e2e_stage_resume_after_kill(tmp_path: Path) ->
             return state.exists() and json.loads(state.read_text()).get("stage") == E2E_STAGE
 
         _wait_for(in_e2e_stage, RUN_TIMEOUT_S, "a checkpoint inside the end-to-end stage", first)
-        os.kill([pid for pid in _procs_with("qualitye2e") if _is_rank(pid)][-1], signal.SIGKILL)
+        os.kill([pid for pid in _procs_with(RUN_ID) if _is_rank(pid)][-1], signal.SIGKILL)
         first.wait(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
     assert first.returncode != 0
-    _wait_gone("qualitye2e")
+    _wait_gone(RUN_ID)
     killed_at = json.loads(state.read_text())["step"]
 
     log = (result := _run(overrides, tmp_path / "run2", tmp_path)).stdout + result.stderr
-    _wait_gone("qualitye2e")
+    _wait_gone(RUN_ID)
     choice = json.loads((tmp_path / "run2" / "result.json").read_text())["hybrid"]
     (converted,), (kept,) = choice["converted"], choice["kept"]
     assert f"automatic hybrid: converting layers [{converted}], keeping layers [{kept}]" in log

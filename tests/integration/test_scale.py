@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from tests.integration.test_app import _run, _tiny, _wait_gone
+from tests.integration.test_app import _run, _run_id, _tiny, _wait_gone
 
 
 def test_bf16_teacher_fsdp_e2e_stage_exports_and_evaluates(tmp_path: Path) -> None:
-    overrides = [*_tiny(tmp_path, layers=2), "run_id=scalebf16", "teacher.dtype=bfloat16",
+    run_id = _run_id("scalebf16")
+    overrides = [*_tiny(tmp_path, layers=2), f"run_id={run_id}", "teacher.dtype=bfloat16",
                  "replacement=linear_attention", "replacement.chunk_size=8", "local.num_workers=1",
                  "student.steps_per_stage=4", "student.layers_per_stage=2", "student.checkpoint_every_steps=2",
                  "student.e2e.steps=4", "student.e2e.trainable=all", "student.e2e.parallel=fsdp",
@@ -24,7 +25,7 @@ def test_bf16_teacher_fsdp_e2e_stage_exports_and_evaluates(tmp_path: Path) -> No
                  f"checkpoint_dir={tmp_path / 'ckpt'}"]
     result = _run(overrides, tmp_path / "run", tmp_path)
     log = result.stdout + result.stderr
-    _wait_gone("scalebf16")
+    _wait_gone(run_id)
     assert "fsdp over 2 rank(s)" in log
     run = tmp_path / "run"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
