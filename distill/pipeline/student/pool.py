@@ -432,8 +432,9 @@ class SlotPool:
 
     def _check_inbox(self) -> None:
         """Bind our inbox again if its file vanished: workers keep answers to DIRECT
-        requests for a while, and would lose them otherwise."""
-        if self._inbox.present():
+        requests for a while, and would lose them otherwise. Without direct requests
+        nothing is lost (the broker's COMPLETE comes for every fill): it stays unbound."""
+        if not self._inbox.direct or self._inbox.present():
             return
         self._take_notices()  # what reached the old socket
         self._poller.unregister(self._inbox.fileno())
