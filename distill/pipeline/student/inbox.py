@@ -9,6 +9,7 @@ nothing and sends nothing, so the pool's loop has no branch for either case.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from distill.pipeline.notices import NoticeInbox, encode_datagram
@@ -55,8 +56,8 @@ class Inbox:
         self._sock.close()
         return Inbox.open(self._segment, self._socket_dir, direct=self.direct)
 
-    def send_direct(self, table: SlotTable, slots: list[int], share: int, body: dict) -> tuple[list[int], dict[str, int]]:
-        """Ask for the slots that have a lane straight from its worker, up to ``share`` of
+    def send_direct(self, table: SlotTable, slots: list[int], share: Callable[[], int], body: dict) -> tuple[list[int], dict[str, int]]:
+        """Ask for the slots that have a lane straight from its worker, up to ``share()`` of
         our slots per worker (a lane is sticky: without a cap, one worker would end up
         holding them all). ``body`` is the request's fields but its slots. Returns the
         slots left for the broker (no lane, over the share, or the datagram was not
@@ -65,11 +66,12 @@ class Inbox:
             return slots, {}
         records = table.records
         held = table.direct_held()
+        most = share()
         by_lane: dict[tuple[str, str], list[int]] = {}
         rest = []
         for slot in slots:
             lane = records[slot].lane
-            if lane is None or held.get(lane[1], 0) >= share:
+            if lane is None or held.get(lane[1], 0) >= most:
                 rest.append(slot)
                 continue
             held[lane[1]] = held.get(lane[1], 0) + 1
@@ -109,7 +111,7 @@ class NoInbox:
     def rebind(self) -> NoInbox:
         return self
 
-    def send_direct(self, table: SlotTable, slots: list[int], share: int, body: dict) -> tuple[list[int], dict[str, int]]:
+    def send_direct(self, table: SlotTable, slots: list[int], share: Callable[[], int], body: dict) -> tuple[list[int], dict[str, int]]:
         return slots, {}
 
     def close(self) -> None:

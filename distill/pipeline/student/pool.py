@@ -264,7 +264,7 @@ class SlotPool:
         table.to_send.clear()
         body = {"run_id": self.run_id, "peer_id": self.peer_id, "generation": self._generation(),
                 "medium": self.medium.buf_name, "stride": self.medium.slot_stride}
-        wanted, asked = self._inbox.send_direct(table, wanted, self.custody.direct_share(), body)
+        wanted, asked = self._inbox.send_direct(table, wanted, self.custody.direct_share, body)
         if asked:
             now = time.monotonic()
             for process, count in asked.items():
@@ -362,10 +362,10 @@ class SlotPool:
             self.counts["notices"] += 1
             lane = msg.body.get("lane")
             if lane is not None:  # its worker is alive (the lane's deadline, ``custody.py``)
-                self.custody.lane_answered(msg.body.get("process") or "", time.monotonic())
+                lane = (lane, msg.body.get("process") or "")
+                self.custody.lane_answered(lane[1], time.monotonic())
             self.delivery.on_complete(msg.body["generation"], msg.body["slots"], notice=True,
-                                      lanes=self._inbox.direct,
-                                      lane=None if lane is None else (lane, msg.body.get("process") or ""))
+                                      lanes=self._inbox.direct, lane=lane)
         self._carry_out()
 
     def _on_message(self, msg: protocol.Message) -> dict[str, Any] | None:
